@@ -1,0 +1,1 @@
+"""jspec: RL post-training with speculative decoding, JAX-first."""

@@ -1,0 +1,159 @@
+"""Context parallelism for natural-order global arrays: zigzag, place the branch, ring, undo.
+
+`context_parallel_attention` is `attention` with the same inputs and outputs, computed by
+`ring_attention` over the mesh axis `axis`. Trunk rows are permuted to the zigzag layout and split
+over the axis; each branch node (and query) moves to the rank that holds its anchor, into a
+fixed number of slots per rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int
+
+from jspec.attention import zigzag
+from jspec.attention.branch import Branch
+from jspec.attention.ring import ring_attention
+
+
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _slots(rank, cp: int, capacity: int):
+    """Slot (rank * capacity + order among the items of that rank) of each item [B, N]."""
+    onehot = jax.nn.one_hot(rank, cp, dtype=jnp.int32)
+    order = jnp.take_along_axis(jnp.cumsum(onehot, axis=1), rank[..., None], axis=2)[..., 0] - 1
+    return rank * capacity + order
+
+
+def _capacity(rank, cp: int, fallback: int) -> int:
+    """Items per rank: exact for concrete inputs (rounded up to 8), else the worst case."""
+    if not _concrete(rank):
+        return fallback
+    counts = np.stack([(np.asarray(rank) == r).sum(axis=1) for r in range(cp)])
+    return max(8, -(-int(counts.max()) // 8) * 8)
+
+
+def _scatter(x, slot, size, fill):
+    b = x.shape[0]
+    out = jnp.full((b, size) + x.shape[2:], fill, x.dtype)
+    return out.at[jnp.arange(b)[:, None], slot].set(x)
+
+
+def _place_branch(branch: Branch, dest, t: int, cp: int):
+    """Moves nodes and queries to the rank of their anchor; returns the local branch and slots."""
+    n = branch.anchor.shape[1]
+    nodes = branch.nodes()
+    live = branch.anchor >= 0
+    anchor_dest = jnp.take_along_axis(dest, jnp.maximum(branch.anchor, 0), axis=1)
+    node_rank = jnp.where(live, anchor_dest // (t // cp), 0)
+    if _concrete(branch.parent, node_rank):
+        parent = np.asarray(branch.parent)
+        nr = np.asarray(node_rank)
+        has_parent = parent >= 0
+        parent_rank = np.take_along_axis(nr, np.maximum(parent, 0), axis=1)
+        bad = np.argwhere(has_parent & np.asarray(live) & (parent_rank != nr))
+        if len(bad):
+            row, node = bad[0]
+            raise ValueError(
+                f"branch node {node} of row {row} and its parent {parent[row, node]} are anchored "
+                "on different context ranks; a node and its ancestors must share the anchor's "
+                "rank (anchor a node's whole path at one trunk token)."
+            )
+    cap = _capacity(node_rank, cp, n)
+    node_slot = _slots(node_rank, cp, cap)
+    parent_slot = jnp.take_along_axis(node_slot, jnp.maximum(branch.parent, 0), axis=1) % cap
+    local_anchor = jnp.where(live, anchor_dest % (t // cp), -1)
+    query_rank = jnp.take_along_axis(node_rank, nodes, axis=1)
+    qcap = _capacity(query_rank, cp, nodes.shape[1])
+    query_slot = _slots(query_rank, cp, qcap)
+    placed = Branch(
+        q=_scatter(branch.q, query_slot, cp * qcap, 0),
+        k=_scatter(branch.k, node_slot, cp * cap, 0),
+        v=_scatter(branch.v, node_slot, cp * cap, 0),
+        anchor=_scatter(local_anchor, node_slot, cp * cap, -1),
+        parent=_scatter(jnp.where(branch.parent >= 0, parent_slot, -1), node_slot, cp * cap, -1),
+        # An empty query slot points at no node (-1) and sees nothing.
+        query_nodes=_scatter(
+            jnp.take_along_axis(node_slot, nodes, axis=1) % cap, query_slot, cp * qcap, -1
+        ),
+    )
+    return placed, query_slot
+
+
+def context_parallel_attention(
+    q: Float[Array, "b t hq d"] | None,
+    k: Float[Array, "b t hkv d"],
+    v: Float[Array, "b t hkv d"],
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    *,
+    mesh: Mesh,
+    axis: str = "context",
+    branch: Branch | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+):
+    """Self-attention (plus branch) of natural-order rows, context-parallel over `mesh[axis]`.
+
+    Every index (anchor, parent, query_nodes) is a natural-order index of the row; every document
+    must be padded to a multiple of 2 * cp. Same results as `attention`, wherever inputs live.
+    """
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
+    cp = mesh.shape[axis]
+    zigzag.check_alignment(segment_ids, cp)
+    t = k.shape[1]
+    dest = zigzag.zigzag_destination(segment_ids, t, cp)
+    placed = query_slot = None
+    if branch is not None:
+        placed, query_slot = _place_branch(branch, dest, t, cp)
+    run = _sharded(mesh, axis, cp, scale, impl, q is None, branch is None)
+    out, branch_out = run(q, k, v, segment_ids, positions, placed, query_slot)
+    return out if branch is None else (out, branch_out)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(mesh, axis, cp, scale, impl, no_q, no_branch):
+    spec = PartitionSpec(None, axis)
+
+    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+    sharding = NamedSharding(mesh, spec)
+
+    def put(x):  # an explicit axis is resharded, an automatic one constrained
+        return (
+            jax.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+        )
+
+    def gather(x):  # back to natural order needs the whole row
+        return jax.reshard(x, NamedSharding(mesh, PartitionSpec())) if explicit else x
+
+    def local(q, k, v, seg, pos, branch):
+        out = ring_attention(
+            q, k, v, seg, pos, axis_name=axis, branch=branch, scale=scale, impl=impl
+        )
+        return out if branch is not None else (out, None)
+
+    @jax.jit
+    def run(q, k, v, seg, pos, branch, query_slot):
+        shard = functools.partial(zigzag.zigzag_shard, segment_ids=seg, cp=cp)
+        args = [None if no_q else shard(q), shard(k), shard(v), shard(seg), shard(pos), branch]
+        args = jax.tree.map(put, args)
+        out_specs = (None if no_q else spec, None if no_branch else spec)
+        out, branch_out = jax.shard_map(
+            local, mesh=mesh, in_specs=(spec,) * 6, out_specs=out_specs, check_vma=False
+        )(*args)
+        if out is not None:
+            out = zigzag.zigzag_unshard(gather(out), seg, cp)
+        if branch_out is not None:
+            rows = jnp.arange(branch_out.shape[0])[:, None]
+            branch_out = gather(branch_out)[rows, query_slot]
+        return out, branch_out
+
+    return run

@@ -1,0 +1,329 @@
+"""Attention over trunk keys that travel a ring of devices, plus local branch keys; one custom_vjp.
+
+Each rank holds its queries (trunk queries, then branch queries, as one array), its trunk K/V and its
+branch K/V. The trunk K/V visit every rank by `ppermute` over the context axis; at each step the
+rank attends its queries to the visiting keys (`blocks.fwd`, hidden tiles skipped) and merges the
+partial result by log-sum-exp. Branch K/V never leave the rank: the branch queries see them by the
+ancestor walk, merged the same way. On one device (no axis) the ring has one step: that is
+`attention`.
+
+The backward runs the ring again: K/V travel with their gradient accumulators (float32), which are
+back home after the last shift; each block's backward is given the global lse, so nothing but the
+inputs, the output and the lse is saved, and no rank ever holds more than its own share of K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jspec.attention import blocks, masks
+from jspec.attention.branch import Branch
+
+BLOCK_Q = 512
+BLOCK_K = 512
+IMPLS = ("auto", "xla")
+
+
+class _Static(NamedTuple):
+    axis_name: str | None
+    scale: float
+    block_q: int
+    block_k: int
+    branch_rows: tuple[int, int]  # [start, stop) of the branch queries in the query array
+
+
+def _ring_size(axis_name):
+    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
+def _shift(xs, axis_name):
+    """Send to the next rank of the ring, receive from the previous one."""
+    n = _ring_size(axis_name)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), xs)
+
+
+def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
+    n = _ring_size(st.axis_name)
+    tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
+    kv = (k, v, k_seg, k_pos)
+    o = lse = None
+    for step in range(n):
+        # Issue the next shift before the compute it does not depend on, so the two overlap.
+        kv_next = _shift(kv, st.axis_name) if step + 1 < n else None
+        o_s, lse_s = blocks.fwd(q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], **tiles)
+        o, lse = (o_s, lse_s) if o is None else blocks.merge(o, lse, o_s, lse_s)
+        kv = kv_next
+    if bk is not None:
+        rows = slice(*st.branch_rows)
+        ob, lseb = blocks.branch_fwd(q[:, rows], bk, bv, b_nodes, b_parent, scale=st.scale)
+        ob, lseb = blocks.merge(o[:, rows], lse[:, rows], ob, lseb)
+        o = o.at[:, rows].set(ob)
+        lse = lse.at[:, rows].set(lseb)
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
+    o, _ = _forward(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent)
+    return o.astype(q.dtype)
+
+
+def _ring_fwd(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
+    o, lse = _forward(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent)
+    o = o.astype(q.dtype)
+    return o, (q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent, o, lse)
+
+
+def _ring_bwd(st, res, do):
+    q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent, o, lse = res
+    n = _ring_size(st.axis_name)
+    tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    kv = (k, v, k_seg, k_pos)
+    for step in range(n):
+        kv_next = _shift(kv, st.axis_name) if step + 1 < n else None
+        dq_s, dk_s, dv_s = blocks.bwd(
+            q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, **tiles
+        )
+        dq = dq + dq_s
+        dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
+        if n > 1:  # after n shifts the accumulators are back on the rank that owns the keys
+            dkv = _shift(dkv, st.axis_name)
+        kv = kv_next
+    dbk = dbv = None
+    if bk is not None:
+        rows = slice(*st.branch_rows)
+        dqb, dbk, dbv = blocks.branch_bwd(
+            q[:, rows],
+            bk,
+            bv,
+            b_nodes,
+            b_parent,
+            lse[:, rows],
+            do[:, rows],
+            delta[:, rows],
+            scale=st.scale,
+        )
+        dq = dq.at[:, rows].add(dqb)
+        dbk, dbv = dbk.astype(bk.dtype), dbv.astype(bv.dtype)
+    dk, dv = dkv
+    return (
+        dq.astype(q.dtype),
+        None,
+        None,
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+        None,
+        dbk,
+        dbv,
+        None,
+        None,
+    )
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public entry points: checks, the query array, padding to whole tiles.
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_rows(x, length, value=0):
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl):
+    if q is None and branch is None:
+        raise ValueError("nothing to attend: q is None and there is no branch.")
+    if impl not in IMPLS:
+        raise ValueError(
+            f"impl={impl!r} is not available; choose one of {IMPLS} (a GPU block kernel, "
+            "impl='pallas', is planned in jspec.attention part 2)."
+        )
+    if k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [B,Tk,Hkv,D]; got k {k.shape}, v {v.shape}.")
+    b, tk, hkv, d = k.shape
+    for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+        if x.shape != (b, tk):
+            raise ValueError(f"{name} must be [B,Tk]={(b, tk)} like k; got {x.shape}.")
+    queries = [("q", q)] + ([("branch.q", branch.q)] if branch is not None else [])
+    for name, x in queries:
+        if x is None:
+            continue
+        if x.ndim != 4 or x.shape[0] != b or x.shape[3] != d or x.shape[2] % hkv:
+            raise ValueError(
+                f"{name} must be [B,T,Hq,D] with B={b}, D={d} and Hq a multiple of Hkv={hkv}; "
+                f"got {x.shape}."
+            )
+    if (q_segment_ids is None) != (q_positions is None):
+        raise ValueError("pass q_segment_ids and q_positions together, or neither.")
+    if q is not None:
+        want = q.shape[:2]
+        if q_segment_ids is None and want != (b, tk):
+            raise ValueError(
+                f"q has {q.shape[1]} tokens but k has {tk}: for cross attention pass "
+                "q_segment_ids and q_positions [B,Tq]."
+            )
+        if q_segment_ids is not None and (q_segment_ids.shape != want or q_positions.shape != want):
+            raise ValueError(
+                f"q_segment_ids and q_positions must be [B,Tq]={want}; got "
+                f"{q_segment_ids.shape} and {q_positions.shape}."
+            )
+    if branch is not None:
+        n = branch.k.shape[1]
+        if branch.k.shape[::2] != (b, hkv) or branch.v.shape != branch.k.shape:
+            raise ValueError(
+                f"branch.k and branch.v must be [B,N,Hkv,D] with B={b}, Hkv={hkv}, D={d}; got "
+                f"{branch.k.shape} and {branch.v.shape}."
+            )
+        if branch.k.shape[3] != d:
+            raise ValueError(f"branch.k head dim {branch.k.shape[3]} differs from k's {d}.")
+        for name in ("anchor", "parent"):
+            if getattr(branch, name).shape != (b, n):
+                raise ValueError(
+                    f"branch.{name} must be [B,N]={(b, n)}; got {getattr(branch, name).shape}."
+                )
+        nq = branch.q.shape[1]
+        if branch.query_nodes is None and nq != n:
+            raise ValueError(
+                f"branch.q has {nq} queries for {n} nodes: pass branch.query_nodes [B,Nq]."
+            )
+        if branch.query_nodes is not None and branch.query_nodes.shape != (b, nq):
+            raise ValueError(
+                f"branch.query_nodes must be [B,Nq]={(b, nq)}; got {branch.query_nodes.shape}."
+            )
+
+
+def _attend(
+    q,
+    k,
+    v,
+    segment_ids,
+    positions,
+    *,
+    axis_name,
+    q_segment_ids,
+    q_positions,
+    branch,
+    scale,
+    impl,
+    block_q=BLOCK_Q,
+    block_k=BLOCK_K,
+):
+    _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl)
+    scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
+    if q_segment_ids is None:
+        q_segment_ids, q_positions = segment_ids, positions
+
+    parts = [] if q is None else [(q, q_segment_ids, q_positions)]
+    b_nodes = None
+    if branch is not None:
+        nodes = branch.nodes()
+        node_anchor = blocks._gather(branch.anchor, nodes)
+        live = (nodes >= 0) & (node_anchor >= 0)
+        b_nodes = jnp.where(live, nodes, -1)
+        seg, pos = masks.anchor_segments(segment_ids, positions, jnp.where(live, node_anchor, -1))
+        parts.append((branch.q.astype(q.dtype) if q is not None else branch.q, seg, pos))
+    n_trunk = 0 if q is None else q.shape[1]
+    n_rows = sum(p[0].shape[1] for p in parts)
+
+    block_q = min(block_q, _round_up(n_rows, 8))
+    block_k = min(block_k, _round_up(k.shape[1], 8))
+    rows = _round_up(n_rows, block_q)
+    keys = _round_up(k.shape[1], block_k)
+    q_all, q_seg, q_pos = (
+        _pad_rows(jnp.concatenate(xs, axis=1), rows) for xs in zip(*parts, strict=True)
+    )
+    k_all, v_all, k_seg, k_pos = (_pad_rows(x, keys) for x in (k, v, segment_ids, positions))
+
+    st = _Static(axis_name, scale, block_q, block_k, (n_trunk, n_rows))
+    bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
+    out = _ring(st, q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
+    trunk_out = None if q is None else out[:, :n_trunk]
+    if branch is None:
+        return trunk_out
+    return trunk_out, out[:, n_trunk:n_rows].astype(branch.q.dtype)
+
+
+def attention(
+    q: Float[Array, "b tq hq d"] | None,
+    k: Float[Array, "b tk hkv d"],
+    v: Float[Array, "b tk hkv d"],
+    segment_ids: Int[Array, "b tk"],
+    positions: Int[Array, "b tk"],
+    *,
+    q_segment_ids: Int[Array, "b tq"] | None = None,
+    q_positions: Int[Array, "b tq"] | None = None,
+    branch: Branch | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+):
+    """Masked attention on one device, blockwise (no score tile larger than a block), differentiable.
+
+    Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
+    branch. Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.
+    """
+    return _attend(
+        q,
+        k,
+        v,
+        segment_ids,
+        positions,
+        axis_name=None,
+        q_segment_ids=q_segment_ids,
+        q_positions=q_positions,
+        branch=branch,
+        scale=scale,
+        impl=impl,
+    )
+
+
+def ring_attention(
+    q: Float[Array, "b tq hq d"] | None,
+    k: Float[Array, "b tk hkv d"],
+    v: Float[Array, "b tk hkv d"],
+    segment_ids: Int[Array, "b tk"],
+    positions: Int[Array, "b tk"],
+    *,
+    axis_name: str,
+    q_segment_ids: Int[Array, "b tq"] | None = None,
+    q_positions: Int[Array, "b tq"] | None = None,
+    branch: Branch | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+):
+    """`attention` inside `shard_map`, the trunk K/V spread over the ring axis `axis_name`.
+
+    Every array is the rank's local shard (trunk in zigzag order, `zigzag_shard`); branch indices
+    (anchor, parent, query_nodes) are local to the rank, and a node's ancestors live on its rank.
+    """
+    return _attend(
+        q,
+        k,
+        v,
+        segment_ids,
+        positions,
+        axis_name=axis_name,
+        q_segment_ids=q_segment_ids,
+        q_positions=q_positions,
+        branch=branch,
+        scale=scale,
+        impl=impl,
+    )

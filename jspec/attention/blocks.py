@@ -83,7 +83,7 @@ def _grouped_heads(x, hkv):
 
 
 def _scores(q_i, k_j, qseg, qpos, kseg, kpos, scale):
-    """Masked scores of one tile pair: [B, Hkv, G, bq, bk] float32, and the mask [B, 1, 1, bq, bk]."""
+    """Masked scores [B, Hkv, G, bq, bk] (float32) of one tile pair, and the mask."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
     mask = masks.visible(qseg[:, :, None], qpos[:, :, None], kseg[:, None], kpos[:, None])
     mask = mask[:, None, None]

@@ -1,7 +1,7 @@
 """Attention over trunk keys that travel a ring of devices, plus local branch keys; one custom_vjp.
 
-Each rank holds its queries (trunk queries, then branch queries, as one array), its trunk K/V and its
-branch K/V. The trunk K/V visit every rank by `ppermute` over the context axis; at each step the
+Each rank holds its queries (trunk queries, then branch queries, as one array), its trunk K/V and
+its branch K/V. The trunk K/V visit every rank by `ppermute` over the context axis; at each step the
 rank attends its queries to the visiting keys (`blocks.fwd`, hidden tiles skipped) and merges the
 partial result by log-sum-exp. Branch K/V never leave the rank: the branch queries see them by the
 ancestor walk, merged the same way. On one device (no axis) the ring has one step: that is
@@ -275,7 +275,7 @@ def attention(
     scale: float | None = None,
     impl: str = "auto",
 ):
-    """Masked attention on one device, blockwise (no score tile larger than a block), differentiable.
+    """Masked attention on one device, blockwise (no score tile beyond a block), differentiable.
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
     branch. Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.

@@ -44,7 +44,7 @@ class ModelConfig:
 
     vocab_size: int = 256
     hidden_size: int = 64
-    num_layers: int = 4
+    num_layers: int = 8
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16

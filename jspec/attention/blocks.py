@@ -241,7 +241,7 @@ def bwd(
 # Branch to branch: each query sees its node and the node's ancestors.
 
 
-def _gather(x, idx):
+def gather_rows(x, idx):
     """x [B, N, ...] at idx [B, M] (clamped) -> [B, M, ...]."""
     idx = jnp.maximum(idx, 0)
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -261,7 +261,7 @@ def _walk(nodes, parent, body, init):
     def step(state):
         i, cur, carry = state
         carry = body(carry, cur)
-        up = jnp.where(cur >= 0, _gather(parent, cur), -1)
+        up = jnp.where(cur >= 0, gather_rows(parent, cur), -1)
         return i + 1, up, carry
 
     return jax.lax.while_loop(cond, step, (0, nodes, init))[2]
@@ -286,13 +286,15 @@ def branch_fwd(
 
     def body(carry, cur):
         m, l, acc = carry
-        s = jnp.einsum("bqhgd,bqhd->bqhg", qg, _gather(k, cur), preferred_element_type=jnp.float32)
+        s = jnp.einsum(
+            "bqhgd,bqhd->bqhg", qg, gather_rows(k, cur), preferred_element_type=jnp.float32
+        )
         s = jnp.where((cur >= 0)[:, :, None, None], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, s)
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe)
         corr = jnp.exp(m - m_safe)
-        pv = p[..., None] * _gather(v, cur)[:, :, :, None].astype(jnp.float32)
+        pv = p[..., None] * gather_rows(v, cur)[:, :, :, None].astype(jnp.float32)
         return m_new, l * corr + p, acc * corr[..., None] + pv
 
     shape = (b, nq, hkv, hq // hkv)
@@ -321,8 +323,8 @@ def branch_bwd(q, k, v, nodes, parent, lse, dout, delta, *, scale: float):
     def body(carry, cur):
         dq, dk, dv = carry
         live = (cur >= 0)[:, :, None, None]
-        k_c = _gather(k, cur).astype(jnp.float32)[:, :, :, None]
-        v_c = _gather(v, cur).astype(jnp.float32)[:, :, :, None]
+        k_c = gather_rows(k, cur).astype(jnp.float32)[:, :, :, None]
+        v_c = gather_rows(v, cur).astype(jnp.float32)[:, :, :, None]
         s = jnp.sum(qg * k_c, axis=-1) * scale
         p = jnp.where(live, jnp.exp(s - lse_safe), 0.0)
         dp = jnp.sum(do * v_c, axis=-1)

@@ -31,11 +31,7 @@ def ancestor_mask(parent: Int[Array, "b n"]) -> Bool[Array, "b n n"]:
     """mask[b, i, j]: node j is node i or one of its ancestors. Dense: for small trees and tests."""
     n = parent.shape[1]
     eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), parent.shape + (n,))
-    to_parent = jax.nn.one_hot(parent, n, dtype=jnp.int32)  # -1 gives a zero row
-
-    def step(_, reach):
-        # reach[i, j] |= reach[parent(i), j]: walk one more generation up.
-        up = jnp.einsum("bik,bkj->bij", to_parent, reach.astype(jnp.int32)) > 0
-        return reach | up
-
-    return jax.lax.fori_loop(0, max(n - 1, 0), step, eye)
+    reach = eye | jax.nn.one_hot(parent, n, dtype=bool)  # -1 gives a zero row
+    for _ in range(max(n - 1, 1).bit_length()):  # each squaring doubles the path length covered
+        reach = jnp.einsum("bik,bkj->bij", reach.astype(jnp.float32), reach.astype(jnp.float32)) > 0
+    return reach

@@ -46,8 +46,14 @@ def _scatter(x, slot, size, fill):
     return out.at[jnp.arange(b)[:, None], slot].set(x)
 
 
-def _place_branch(branch: Branch, dest, t: int, cp: int):
-    """Moves nodes and queries to the rank of their anchor; returns the local branch and slots."""
+def place_branch(branch: Branch, segment_ids: Int[Array, "b t"], cp: int):
+    """Moves nodes and queries to the rank of their anchor, into a fixed number of slots per rank.
+
+    Returns the branch in the sharded layout (rank-major slots, rank-local indices) and the slot of
+    each natural-order query, to read the outputs back.
+    """
+    t = segment_ids.shape[1]
+    dest = zigzag.zigzag_destination(segment_ids, t, cp)
     n = branch.anchor.shape[1]
     nodes = branch.nodes()
     live = branch.anchor >= 0
@@ -99,6 +105,8 @@ def context_parallel_attention(
     branch: Branch | None = None,
     scale: float | None = None,
     impl: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """Self-attention (plus branch) of natural-order rows, context-parallel over `mesh[axis]`.
 
@@ -109,51 +117,70 @@ def context_parallel_attention(
         raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
     cp = mesh.shape[axis]
     zigzag.check_alignment(segment_ids, cp)
-    t = k.shape[1]
-    dest = zigzag.zigzag_destination(segment_ids, t, cp)
     placed = query_slot = None
     if branch is not None:
-        placed, query_slot = _place_branch(branch, dest, t, cp)
-    run = _sharded(mesh, axis, cp, scale, impl, q is None, branch is None)
-    out, branch_out = run(q, k, v, segment_ids, positions, placed, query_slot)
+        placed, query_slot = place_branch(branch, segment_ids, cp)
+    ring = sharded_ring(mesh, axis, scale, impl, block_q, block_k)
+    out, branch_out = _run(ring, mesh, axis, q, k, v, segment_ids, positions, placed, query_slot)
     return out if branch is None else (out, branch_out)
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(mesh, axis, cp, scale, impl, no_q, no_branch):
+def sharded_ring(mesh: Mesh, axis: str, scale=None, impl="auto", block_q=None, block_k=None):
+    """`ring_attention` under `shard_map` over `axis`: f(q, k, v, seg, pos, branch) -> (out, b_out).
+
+    Takes global arrays already in the zigzag layout (`zigzag_shard`, `place_branch`), row axis
+    split over `axis`; returns the outputs in the same layout (None where q or branch is None).
+    """
     spec = PartitionSpec(None, axis)
-
-    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
-    sharding = NamedSharding(mesh, spec)
-
-    def put(x):  # an explicit axis is resharded, an automatic one constrained
-        return (
-            jax.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
-        )
-
-    def gather(x):  # back to natural order needs the whole row
-        return jax.reshard(x, NamedSharding(mesh, PartitionSpec())) if explicit else x
 
     def local(q, k, v, seg, pos, branch):
         out = ring_attention(
-            q, k, v, seg, pos, axis_name=axis, branch=branch, scale=scale, impl=impl
+            q,
+            k,
+            v,
+            seg,
+            pos,
+            axis_name=axis,
+            branch=branch,
+            scale=scale,
+            impl=impl,
+            block_q=block_q,
+            block_k=block_k,
         )
         return out if branch is not None else (out, None)
 
-    @jax.jit
-    def run(q, k, v, seg, pos, branch, query_slot):
-        shard = functools.partial(zigzag.zigzag_shard, segment_ids=seg, cp=cp)
-        args = [None if no_q else shard(q), shard(k), shard(v), shard(seg), shard(pos), branch]
-        args = jax.tree.map(put, args)
-        out_specs = (None if no_q else spec, None if no_branch else spec)
-        out, branch_out = jax.shard_map(
+    def ring(q, k, v, seg, pos, branch):
+        out_specs = (None if q is None else spec, None if branch is None else spec)
+        return jax.shard_map(
             local, mesh=mesh, in_specs=(spec,) * 6, out_specs=out_specs, check_vma=False
-        )(*args)
-        if out is not None:
-            out = zigzag.zigzag_unshard(gather(out), seg, cp)
-        if branch_out is not None:
-            rows = jnp.arange(branch_out.shape[0])[:, None]
-            branch_out = gather(branch_out)[rows, query_slot]
-        return out, branch_out
+        )(q, k, v, seg, pos, branch)
 
-    return run
+    return ring
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(ring, mesh, axis, q, k, v, seg, pos, branch, query_slot):
+    cp = mesh.shape[axis]
+    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
+    split, whole = (
+        NamedSharding(mesh, PartitionSpec(None, axis)),
+        NamedSharding(mesh, PartitionSpec()),
+    )
+
+    def put(x, sharding):  # an explicit axis is resharded, an automatic one constrained
+        if explicit:
+            return jax.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding) if sharding is split else x
+
+    def shard(x):
+        return None if x is None else put(zigzag.zigzag_shard(x, seg, cp), split)
+
+    branch = jax.tree.map(lambda x: put(x, split), branch)
+    out, branch_out = ring(shard(q), shard(k), shard(v), shard(seg), shard(pos), branch)
+    if out is not None:
+        out = zigzag.zigzag_unshard(put(out, whole), seg, cp)
+    if branch_out is not None:
+        rows = jnp.arange(branch_out.shape[0])[:, None]
+        branch_out = put(branch_out, whole)[rows, query_slot]
+    return out, branch_out

@@ -42,23 +42,32 @@ def _ring_size(axis_name):
 
 
 def _shift(xs, axis_name):
-    """Send to the next rank of the ring, receive from the previous one."""
+    """Send to the next rank of the ring, receive from the previous one (identity off a ring)."""
     n = _ring_size(axis_name)
+    if n == 1:
+        return xs
     perm = [(i, (i + 1) % n) for i in range(n)]
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), xs)
 
 
 def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
-    n = _ring_size(st.axis_name)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
-    kv = (k, v, k_seg, k_pos)
-    o = lse = None
-    for step in range(n):
-        # Issue the next shift before the compute it does not depend on, so the two overlap.
-        kv_next = _shift(kv, st.axis_name) if step + 1 < n else None
+
+    def step(carry, _):
+        o, lse, kv = carry
+        # The shift does not depend on this step's compute, so the two overlap. The last shift
+        # brings the keys home, unused; a scan (not an unrolled loop) reuses every buffer.
+        kv_next = _shift(kv, st.axis_name)
         o_s, lse_s = blocks.fwd(q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], **tiles)
-        o, lse = (o_s, lse_s) if o is None else blocks.merge(o, lse, o_s, lse_s)
-        kv = kv_next
+        o, lse = blocks.merge(o, lse, o_s, lse_s)
+        return (o, lse, kv_next), None
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full(q.shape[:3], -jnp.inf, jnp.float32),
+        (k, v, k_seg, k_pos),
+    )
+    (o, lse, _), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
     if bk is not None:
         rows = slice(*st.branch_rows)
         ob, lseb = blocks.branch_fwd(q[:, rows], bk, bv, b_nodes, b_parent, scale=st.scale)
@@ -82,22 +91,25 @@ def _ring_fwd(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent
 
 def _ring_bwd(st, res, do):
     q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent, o, lse = res
-    n = _ring_size(st.axis_name)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    kv = (k, v, k_seg, k_pos)
-    for step in range(n):
-        kv_next = _shift(kv, st.axis_name) if step + 1 < n else None
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        kv_next = _shift(kv, st.axis_name)
         dq_s, dk_s, dv_s = blocks.bwd(
             q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, **tiles
         )
-        dq = dq + dq_s
-        dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
-        if n > 1:  # after n shifts the accumulators are back on the rank that owns the keys
-            dkv = _shift(dkv, st.axis_name)
-        kv = kv_next
+        # After the last shift the accumulators are back on the rank that owns the keys.
+        dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
+        return (dq + dq_s, kv_next, dkv), None
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        (k, v, k_seg, k_pos),
+        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
+    )
+    (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
     dbk = dbv = None
     if bk is not None:
         rows = slice(*st.branch_rows)
@@ -114,7 +126,6 @@ def _ring_bwd(st, res, do):
         )
         dq = dq.at[:, rows].add(dqb)
         dbk, dbv = dbk.astype(bk.dtype), dbv.astype(bv.dtype)
-    dk, dv = dkv
     return (
         dq.astype(q.dtype),
         None,
@@ -224,8 +235,8 @@ def _attend(
     branch,
     scale,
     impl,
-    block_q=BLOCK_Q,
-    block_k=BLOCK_K,
+    block_q,
+    block_k,
 ):
     _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl)
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
@@ -236,7 +247,7 @@ def _attend(
     b_nodes = None
     if branch is not None:
         nodes = branch.nodes()
-        node_anchor = blocks._gather(branch.anchor, nodes)
+        node_anchor = blocks.gather_rows(branch.anchor, nodes)
         live = (nodes >= 0) & (node_anchor >= 0)
         b_nodes = jnp.where(live, nodes, -1)
         seg, pos = masks.anchor_segments(segment_ids, positions, jnp.where(live, node_anchor, -1))
@@ -244,8 +255,8 @@ def _attend(
     n_trunk = 0 if q is None else q.shape[1]
     n_rows = sum(p[0].shape[1] for p in parts)
 
-    block_q = min(block_q, _round_up(n_rows, 8))
-    block_k = min(block_k, _round_up(k.shape[1], 8))
+    block_q = min(block_q or BLOCK_Q, _round_up(n_rows, 8))
+    block_k = min(block_k or BLOCK_K, _round_up(k.shape[1], 8))
     rows = _round_up(n_rows, block_q)
     keys = _round_up(k.shape[1], block_k)
     q_all, q_seg, q_pos = (
@@ -274,11 +285,14 @@ def attention(
     branch: Branch | None = None,
     scale: float | None = None,
     impl: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """Masked attention on one device, blockwise (no score tile beyond a block), differentiable.
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
-    branch. Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.
+    branch. `block_q`, `block_k` set the tile (default 512 x 512, clipped to the lengths).
+    Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.
     """
     return _attend(
         q,
@@ -292,6 +306,8 @@ def attention(
         branch=branch,
         scale=scale,
         impl=impl,
+        block_q=block_q,
+        block_k=block_k,
     )
 
 
@@ -308,6 +324,8 @@ def ring_attention(
     branch: Branch | None = None,
     scale: float | None = None,
     impl: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """`attention` inside `shard_map`, the trunk K/V spread over the ring axis `axis_name`.
 
@@ -326,4 +344,6 @@ def ring_attention(
         branch=branch,
         scale=scale,
         impl=impl,
+        block_q=block_q,
+        block_k=block_k,
     )

@@ -1,0 +1,145 @@
+"""Benchmark of jspec.attention: time and memory of the ring for each context-parallel size.
+
+    python launch/bench_attention.py --device cpu            # 8 virtual CPU devices
+    python launch/bench_attention.py --device gpu --seq 32768
+
+For each cp it times the forward and the forward+backward of `context_parallel_attention` on
+packed rows (documents of random lengths), optionally with a training-time-test branch step, and
+reads the compiled per-device temporary memory. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--cp", type=int, nargs="+", default=None, help="ring sizes (default 1 2 4 8)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per row")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=None, help="tile size (default: the library's)")
+    p.add_argument("--branch-steps", type=int, default=0, help="TTT step of the branch (0: none)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--json", default="bench_attention.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec.attention import Branch, zigzag_shard
+    from jspec.attention.parallel import place_branch, sharded_ring
+
+    devices = jax.devices()
+    cps = args.cp or [c for c in (1, 2, 4, 8) if c <= len(devices)]
+    bad = [c for c in cps if c > len(devices) or args.seq % (2 * c)]
+    if bad:
+        sys.exit(
+            f"--cp {bad}: each cp needs cp <= {len(devices)} devices and --seq divisible by 2*cp."
+        )
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    b, t = args.batch, args.seq
+
+    # Packed rows: documents of random lengths, multiples of 2 * max(cp) * 64.
+    unit = 2 * max(cps) * 64
+    seg = np.zeros((b, t), np.int32)
+    pos = np.zeros((b, t), np.int32)
+    for row in range(b):
+        start, doc = 0, 1
+        while start < t:
+            length = min(unit * int(rng.integers(1, max(2, t // unit // 2))), t - start)
+            seg[row, start : start + length] = doc
+            pos[row, start : start + length] = np.arange(length)
+            start, doc = start + length, doc + 1
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    q = normal(b, t, args.heads, args.head_dim)
+    k, v = normal(b, t, args.kv_heads, args.head_dim), normal(b, t, args.kv_heads, args.head_dim)
+    steps = args.branch_steps
+    if steps:
+        n = t * steps
+        node = jnp.arange(n)
+        anchor = jnp.broadcast_to(node % t, (b, n))
+        parent = jnp.broadcast_to(jnp.where(node >= t, node - t, -1), (b, n))
+        query_nodes = jnp.broadcast_to((steps - 1) * t + jnp.arange(t), (b, t))
+        bq = normal(b, t, args.heads, args.head_dim)
+        bk, bv = (
+            normal(b, n, args.kv_heads, args.head_dim),
+            normal(b, n, args.kv_heads, args.head_dim),
+        )
+
+    rows = []
+    for cp in cps:
+        mesh = jax.make_mesh(
+            (cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:cp]
+        )
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+        # Inputs in the ring's layout, already split: the benchmark times the ring alone.
+        inputs = [zigzag_shard(x, seg, cp) for x in (q, k, v, seg, pos)]
+        if steps:
+            inputs.append(place_branch(Branch(bq, bk, bv, anchor, parent, query_nodes), seg, cp)[0])
+        else:
+            inputs.append(None)
+        inputs = jax.device_put(inputs, split)
+        ring = sharded_ring(mesh, "context", block_q=args.block, block_k=args.block)
+
+        def loss(q, k, v, seg, pos, branch, ring=ring):
+            out = ring(q, k, v, seg, pos, branch)
+            return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in jax.tree.leaves(out))
+
+        def fwd_bwd(q, k, v, seg, pos, branch, loss=loss):
+            grads = jax.grad(loss, argnums=(0, 1, 2, 5), allow_int=True)(q, k, v, seg, pos, branch)
+            return [g for g in jax.tree.leaves(grads) if g.dtype != jax.dtypes.float0]
+
+        row = {"cp": cp, "seq": t}
+        for name, fn in (("fwd", loss), ("fwd_bwd", fwd_bwd)):
+            compiled = jax.jit(fn).lower(*inputs).compile()
+            jax.block_until_ready(compiled(*inputs))
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                jax.block_until_ready(compiled(*inputs))
+            row[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
+            row[f"{name}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        rows.append(row)
+
+    head = (
+        f"{'cp':>3} {'seq':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd temp MiB':>13} "
+        f"{'fwd+bwd temp MiB':>17}"
+    )
+    print(
+        f"jspec.attention ring, {args.device} ({devices[0].device_kind}), B={b}, "
+        f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, {args.dtype}, branch step {steps}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['cp']:>3} {r['seq']:>7} {r['fwd_ms']:>9.1f} {r['fwd_bwd_ms']:>11.1f} "
+            f"{r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f}"
+        )
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""jspec.attention against the dense reference: one device and the ring for cp in 1, 2, 4, 8.
+
+Error is max |x - ref| / max |ref| over outputs and every gradient, in float32, under 1e-5.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jspec.attention import (
+    Branch,
+    attention,
+    blocks,
+    context_parallel_attention,
+    reference_attention,
+    ring_attention,
+    zigzag,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+TOL = 1e-5
+HQ, HKV, D = 4, 2, 8
+AUTO = jax.sharding.AxisType.Auto
+BLOCKS = dict(block_q=16, block_k=16)
+
+
+def packed_rows(rng, b, t, align):
+    """Segment ids and positions of rows packed with documents of random lengths, then padding."""
+    seg = np.zeros((b, t), np.int32)
+    pos = np.zeros((b, t), np.int32)
+    for row in range(b):
+        start, doc = 0, 1
+        while start < t:
+            length = int(rng.integers(1, 5)) * align * int(rng.integers(1, 4))
+            length = min(length, t - start)
+            if doc > 1 and (rng.random() < 0.15 or t - start < 2 * align):
+                break  # the rest of the row is padding
+            seg[row, start : start + length] = doc
+            pos[row, start : start + length] = np.arange(length)
+            start, doc = start + length, doc + 1
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def normal(rng, *shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def rel_err(x, ref):
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape
+        assert rel_err(g, w) < TOL, rel_err(g, w)
+
+
+def value_and_grads(fn, q, k, v, branch_qkv, make_branch):
+    """Outputs and the gradients of a nonlinear scalar of them w.r.t. every float input."""
+
+    def loss(q, k, v, bqkv):
+        out = fn(q, k, v, branch=None if bqkv is None else make_branch(*bqkv))
+        outs = [o for o in jax.tree.leaves(out)]
+        return sum(jnp.sum(jnp.sin(3.0 * o) * o) for o in outs), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True, allow_int=True)(
+        q, k, v, branch_qkv
+    )
+    return out, [g for g in grads if g is not None]
+
+
+def context_mesh(cp):
+    return jax.make_mesh((8 // cp, cp), ("data", "context"), axis_types=(AUTO, AUTO))
+
+
+def both(cp, seg, pos):
+    """The reference and the implementation under test for self-attention over packed rows."""
+    ref = functools.partial(reference_attention, segment_ids=seg, positions=pos)
+    if cp == 1:
+        impl = functools.partial(attention, segment_ids=seg, positions=pos, **BLOCKS)
+    else:
+        impl = functools.partial(
+            context_parallel_attention,
+            segment_ids=seg,
+            positions=pos,
+            mesh=context_mesh(cp),
+            **BLOCKS,
+        )
+    return ref, impl
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_trunk_packed_gqa(cp):
+    rng = np.random.default_rng(cp)
+    b, t = 2, 128
+    seg, pos = packed_rows(rng, b, t, 2 * cp)
+    q, k, v = normal(rng, b, t, HQ, D), normal(rng, b, t, HKV, D), normal(rng, b, t, HKV, D)
+    ref, impl = both(cp, seg, pos)
+    want = value_and_grads(ref, q, k, v, None, None)
+    got = value_and_grads(impl, q, k, v, None, None)
+    assert_close(got, want)
+
+
+def ttt_branch(rng, seg, steps):
+    """Training-time test: node (t, s) anchored at t, parent (t, s-1); queries of the last step."""
+    b, t = seg.shape
+    n = t * steps
+    anchor = jnp.tile(jnp.where(seg > 0, jnp.arange(t), -1), (1, steps))
+    node = jnp.arange(n)
+    parent = jnp.broadcast_to(jnp.where(node >= t, node - t, -1), (b, n))
+    query_nodes = jnp.broadcast_to((steps - 1) * t + jnp.arange(t), (b, t))
+    bqkv = (normal(rng, b, t, HQ, D), normal(rng, b, n, HKV, D), normal(rng, b, n, HKV, D))
+    return bqkv, lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent, query_nodes)
+
+
+@pytest.mark.parametrize("cp, steps", [(1, 1), (1, 6), (2, 2), (2, 6), (4, 3), (8, 1), (8, 6)])
+def test_training_time_test_steps(cp, steps):
+    """Each step is one call with the branch K/V of steps 1..s and the queries of step s only."""
+    rng = np.random.default_rng(10 * cp + steps)
+    b, t = 2, 64
+    seg, pos = packed_rows(rng, b, t, 2 * cp)
+    k, v = normal(rng, b, t, HKV, D), normal(rng, b, t, HKV, D)
+    bqkv, make = ttt_branch(rng, seg, steps)
+    ref, impl = both(cp, seg, pos)
+    want = value_and_grads(ref, None, k, v, bqkv, make)
+    got = value_and_grads(impl, None, k, v, bqkv, make)
+    assert_close(got, want)
+
+
+def random_tree(rng, b, n, seg):
+    """Random trees of n nodes per row, anchored at the last token of a random document; a few
+    padding nodes (anchor -1) at the end."""
+    anchor = np.full((b, n), -1, np.int32)
+    parent = np.full((b, n), -1, np.int32)
+    seg = np.asarray(seg)
+    for row in range(b):
+        ends = [
+            i
+            for i in range(seg.shape[1])
+            if seg[row, i] and (i + 1 == seg.shape[1] or seg[row, i + 1] != seg[row, i])
+        ]
+        root = int(rng.choice(ends))
+        live = n - int(rng.integers(0, 4))
+        anchor[row, :live] = root
+        for i in range(1, live):
+            parent[row, i] = int(rng.integers(-1, i))
+    return jnp.asarray(anchor), jnp.asarray(parent)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_random_trees_with_trunk(cp):
+    rng = np.random.default_rng(100 + cp)
+    b, t, n = 2, 64, 64
+    seg, pos = packed_rows(rng, b, t, 2 * cp)
+    q, k, v = normal(rng, b, t, HQ, D), normal(rng, b, t, HKV, D), normal(rng, b, t, HKV, D)
+    anchor, parent = random_tree(rng, b, n, seg)
+    bqkv = (normal(rng, b, n, HQ, D), normal(rng, b, n, HKV, D), normal(rng, b, n, HKV, D))
+    make = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)  # noqa: E731
+    ref, impl = both(cp, seg, pos)
+    want = value_and_grads(ref, q, k, v, bqkv, make)
+    got = value_and_grads(impl, q, k, v, bqkv, make)
+    assert_close(got, want)
+    # Padding nodes see nothing: their output is exactly zero.
+    out = got[0][1]
+    assert jnp.all(jnp.where((anchor < 0)[..., None, None], out, 0.0) == 0.0)
+
+
+def test_decode_queries_single_device():
+    """Decode: one query per row against a cache holding a few documents and empty slots."""
+    rng = np.random.default_rng(7)
+    b, s = 3, 80
+    seg, pos = packed_rows(rng, b, s, 4)
+    k, v = normal(rng, b, s, HKV, D), normal(rng, b, s, HKV, D)
+    q = normal(rng, b, 1, HQ, D)
+    q_seg = seg[:, :1]  # continue the first document of each row
+    q_pos = jnp.max(jnp.where(seg == q_seg, pos, 0), axis=1, keepdims=True) + 1
+    kw = dict(q_segment_ids=q_seg, q_positions=q_pos)
+    ref = functools.partial(reference_attention, segment_ids=seg, positions=pos, **kw)
+    impl = functools.partial(attention, segment_ids=seg, positions=pos, **kw, **BLOCKS)
+    assert_close(
+        value_and_grads(impl, q, k, v, None, None), value_and_grads(ref, q, k, v, None, None)
+    )
+
+
+@pytest.mark.parametrize("cp", [2, 8])
+def test_ring_decode_queries(cp):
+    """ring_attention inside shard_map: every rank holds the same decode queries, its own keys."""
+    rng = np.random.default_rng(cp)
+    b, s = 2, 64
+    seg, pos = packed_rows(rng, b, s, 2 * cp)
+    k, v = normal(rng, b, s, HKV, D), normal(rng, b, s, HKV, D)
+    q = normal(rng, b, 1, HQ, D)
+    q_seg = seg[:, :1]
+    q_pos = jnp.full((b, 1), 10_000, jnp.int32)
+    mesh = jax.make_mesh((cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    kv_spec, rep = P(None, "context"), P()
+
+    @jax.jit
+    def ring(q, k, v, seg, pos):
+        def local(q, k, v, seg, pos):
+            return ring_attention(
+                q,
+                k,
+                v,
+                seg,
+                pos,
+                axis_name="context",
+                q_segment_ids=q_seg,
+                q_positions=q_pos,
+                **BLOCKS,
+            )
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rep, kv_spec, kv_spec, kv_spec, kv_spec),
+            out_specs=rep,
+            check_vma=False,
+        )(q, k, v, seg, pos)
+
+    got = ring(q, k, v, seg, pos)  # natural order: any order of the keys gives the same output
+    want = reference_attention(q, k, v, seg, pos, q_segment_ids=q_seg, q_positions=q_pos)
+    assert rel_err(got, want) < TOL
+
+
+def test_zigzag_roundtrip_and_balance():
+    rng = np.random.default_rng(3)
+    cp = 4
+    seg, _ = packed_rows(rng, 2, 256, 2 * cp)
+    x = jnp.broadcast_to(jnp.arange(256), (2, 256))
+    sharded = zigzag_shard(x, seg, cp)
+    assert jnp.array_equal(zigzag_unshard(sharded, seg, cp), x)
+    # Every rank holds the same number of tokens of every document.
+    seg_sharded = np.asarray(zigzag_shard(seg, seg, cp)).reshape(2, cp, -1)
+    for doc in np.unique(np.asarray(seg)):
+        counts = (seg_sharded == doc).sum(axis=2)
+        assert (counts == counts[:, :1]).all()
+
+
+def test_misaligned_document_is_named():
+    seg = jnp.asarray([[1] * 8 + [2] * 6 + [0] * 2])
+    pos = jnp.asarray([list(range(8)) + list(range(6)) + [0, 0]])
+    k = jnp.zeros((1, 16, HKV, D))
+    with pytest.raises(ValueError, match=r"segment id 2 in row 0 \(tokens 8\.\.13, length 6\)"):
+        context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
+
+
+def test_bad_shapes_and_impl_are_named():
+    k = jnp.zeros((1, 16, HKV, D))
+    seg = jnp.ones((1, 16), jnp.int32)
+    pos = jnp.arange(16)[None]
+    with pytest.raises(ValueError, match="Hq a multiple of Hkv=2"):
+        attention(jnp.zeros((1, 16, 3, D)), k, k, seg, pos)
+    with pytest.raises(ValueError, match="impl='cudnn' is not available"):
+        attention(jnp.zeros((1, 16, 4, D)), k, k, seg, pos, impl="cudnn")
+    with pytest.raises(ValueError, match="segment_ids must be"):
+        attention(jnp.zeros((1, 16, 4, D)), k, k, seg[:, :8], pos)
+    with pytest.raises(ValueError, match="pass branch.query_nodes"):
+        z = jnp.zeros((1, 3), jnp.int32)
+        attention(
+            None,
+            k,
+            k,
+            seg,
+            pos,
+            branch=Branch(jnp.zeros((1, 2, 4, D)), k[:, :3], k[:, :3], z, z - 1),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Work balance and memory of the ring.
+
+
+def executed_tiles_per_rank(seg, pos, cp, block, layout):
+    """Tile pairs each rank computes over the ring (the kernel's own skip rule, `may_see`)."""
+    t = seg.shape[1]
+    if layout == "zigzag":
+        seg, pos = zigzag_shard(seg, seg, cp), zigzag_shard(pos, seg, cp)
+    shards = [
+        (seg[:, r * t // cp : (r + 1) * t // cp], pos[:, r * t // cp : (r + 1) * t // cp])
+        for r in range(cp)
+    ]
+    ranges = [blocks.tile_ranges(s, p, block) for s, p in shards]
+    counts = []
+    for qr in ranges:
+        n = 0
+        for kr in ranges:
+            n += int(
+                jnp.sum(
+                    blocks.may_see(
+                        jax.tree.map(lambda x: x[:, None], qr),
+                        jax.tree.map(lambda x: x[None, :], kr),
+                    )
+                )
+            )
+        counts.append(n)
+    return np.asarray(counts)
+
+
+def test_zigzag_balances_executed_tiles():
+    rng = np.random.default_rng(11)
+    cp, t, block = 4, 8192, 16
+    seg, pos = packed_rows(rng, 1, t, 2 * cp * block)
+    zz = executed_tiles_per_rank(seg, pos, cp, block, "zigzag")
+    assert zz.max() / zz.min() - 1 < 0.05, zz
+    contiguous = executed_tiles_per_rank(seg, pos, cp, block, "contiguous")
+    assert contiguous.max() > 1.05 * contiguous.min(), contiguous  # the test can tell
+
+
+def _ring_fwd_bwd(cp, t, block):
+    """The compiled per-device fwd+bwd of ring_attention over a ring of cp devices."""
+    mesh = jax.make_mesh(
+        (cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:cp]
+    )
+    spec = P(None, "context")
+
+    def loss(q, k, v, seg, pos):
+        def local(q, k, v, seg, pos):
+            out = ring_attention(
+                q, k, v, seg, pos, axis_name="context", block_q=block, block_k=block
+            )
+            return jnp.sum(out.astype(jnp.float32) ** 2)[None]
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(spec,) * 5, out_specs=P("context"), check_vma=False
+        )(q, k, v, seg, pos).sum()
+
+    shape = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct(  # noqa: E731
+        s, dt, sharding=jax.sharding.NamedSharding(mesh, spec)
+    )
+    args = (
+        shape(1, t, HQ, 32),
+        shape(1, t, HKV, 32),
+        shape(1, t, HKV, 32),
+        shape(1, t, dt=jnp.int32),
+        shape(1, t, dt=jnp.int32),
+    )
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+
+
+def _largest_buffer(compiled):
+    """Bytes of the largest array shape in the per-device optimised HLO."""
+    import re
+
+    sizes = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1, "u32": 4, "f16": 2, "s8": 1, "u8": 1}
+    best = 0
+    for dtype, dims in re.findall(
+        r"\b(f32|s32|bf16|pred|u32|f16|s8|u8)\[([\d,]*)\]", compiled.as_text()
+    ):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        best = max(best, n * sizes[dtype])
+    return best
+
+
+@pytest.mark.slow
+def test_ring_memory_scales_with_cp():
+    t, block = 8192, 64
+    temps = {}
+    for cp in (2, 4, 8):
+        compiled = _ring_fwd_bwd(cp, t, block)
+        q_shard = (t // cp) * HQ * 32 * 4  # the rank's queries in float32
+        score_tile = HQ * block * block * 4
+        assert _largest_buffer(compiled) <= max(2 * q_shard, score_tile), (
+            cp,
+            _largest_buffer(compiled),
+            q_shard,
+        )
+        temps[cp] = compiled.memory_analysis().temp_size_in_bytes
+    # About 1/cp: each doubling of cp at least 1.6x less temporary memory.
+    assert temps[2] / temps[4] > 1.6 and temps[4] / temps[8] > 1.6, temps
+
+
+def test_check_alignment_accepts_aligned_rows():
+    seg = jnp.asarray([[1] * 8 + [2] * 4 + [0] * 4])
+    zigzag.check_alignment(seg, 2)

@@ -1,0 +1,83 @@
+"""Configs load, override and fail with messages that name the field and the fix."""
+
+import jax
+import pytest
+
+from jspec import config, mesh
+from jspec.config import ConfigError, MeshConfig
+
+
+@pytest.mark.parametrize("name", ["tiny", "demo", "qwen3-0.6b", "qwen3-8b", "llama-3.1-8b"])
+def test_shipped_configs_load(name):
+    cfg = config.load(name)
+    assert cfg.name == name
+    assert len(set(cfg.model.taps)) == 3
+
+
+def test_real_families_match_their_published_shapes():
+    llama = config.load("llama-3.1-8b").model
+    assert (llama.num_layers, llama.num_kv_heads, llama.rope_scaling.factor) == (32, 8, 8.0)
+    assert llama.taps == (2, 16, 29)  # EAGLE-3: inputs of layers 2, L/2, L-3
+    assert config.load("qwen3-0.6b").model.tie_embeddings
+
+
+def test_dotted_overrides():
+    cfg = config.load("tiny", ["model.num_layers=12", "model.tap_layers=[1,5,9]", "seed=3"])
+    assert cfg.model.num_layers == 12 and cfg.model.taps == (1, 5, 9) and cfg.seed == 3
+    assert config.load("tiny", ["model.qk_norm=false"]).model.qk_norm is False
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.num_layer=4"],
+            r"unknown config field model.num_layer; did you mean "
+            r"model.num_layers\?",
+        ),
+        (["model.num_heads=5"], r"model.num_heads=5 is not a multiple of model.num_kv_heads=2"),
+        (["model.num_layers=4"], r"model.tap_layers=\(2, 2, 1\) must be distinct"),
+        (["model.hidden_size=0"], r"model.hidden_size=0 must be positive"),
+        (["model.dtype=float64"], r"model.dtype='float64' is not one of"),
+        (["model.num_layers=abc"], r"model.num_layers='abc' is not int"),
+        (["model.num_layers"], r"override 'model.num_layers' has no '='"),
+    ],
+)
+def test_bad_config_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load("tiny", overrides)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config 'nope' not found .* one of: .*tiny"):
+        config.load("nope")
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(tmp_path / "absent.yaml")
+
+
+def test_mesh_from_config_and_devices():
+    m = mesh.make_mesh(MeshConfig(data=-1, tensor=4))
+    assert dict(m.shape) == {"data": 2, "stage": 1, "context": 1, "tensor": 4}
+    assert mesh.mesh_shape(MeshConfig(data=2, context=2, tensor=2), 8)["stage"] == 1
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (MeshConfig(data=3, tensor=2), r"needs 6 devices but 8 are present"),
+        (MeshConfig(data=-1, tensor=3), r"the fixed axes use 3, which does not divide 8"),
+        (MeshConfig(data=-1, context=-1), r"are all -1"),
+        (MeshConfig(data=0), r"mesh.data=0 must be a positive size"),
+    ],
+)
+def test_mesh_that_does_not_fit_is_named(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        mesh.make_mesh(cfg, jax.devices())
+
+
+def test_logical_rules():
+    assert mesh.logical_spec(("batch", "seq", "act_heads")) == jax.sharding.PartitionSpec(
+        "data", "context", "tensor"
+    )
+    with pytest.raises(KeyError, match="no rule"):
+        mesh.logical_spec(("nonsense",))

@@ -1,0 +1,5 @@
+"""Models: the decoder-only LM (`Transformer`) and Hugging Face checkpoint import/export (`hf`)."""
+
+from jspec.models.transformer import KVCache, Transformer, create, param_shardings
+
+__all__ = ["KVCache", "Transformer", "create", "param_shardings"]

@@ -1,0 +1,319 @@
+"""Hugging Face checkpoints (safetensors, Llama 3 / Qwen3 layout): import into jspec, export back.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. Loading reads one tensor at a time with safetensors' numpy
+framework, stacks the layers, and places each parameter straight onto its sharding
+(`jax.make_array_from_callback`: every device receives only its own slice); the host holds one
+parameter at a time, and no device ever holds a full copy of a sharded one.
+
+Layout: Hugging Face linear weights are [out, in]; jspec keeps them [in, out] with heads split out
+(`wq [D,H,E]`, `wo [H,E,D]`), and stacks layers on a leading axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jspec import mesh as mesh_lib
+from jspec.config import ModelConfig, RopeScaling
+from jspec.models.transformer import Transformer
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# jspec parameter path -> (Hugging Face key, number of leading jspec axes that form HF's "in" axis;
+# None: same layout). "{i}" marks a per-layer tensor, stacked on jspec's leading axis.
+_KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
+    ("embed",): ("model.embed_tokens.weight", None),
+    ("final_norm",): ("model.norm.weight", None),
+    ("unembed",): ("lm_head.weight", None),
+    ("layers", "attn_norm"): ("model.layers.{i}.input_layernorm.weight", None),
+    ("layers", "wq"): ("model.layers.{i}.self_attn.q_proj.weight", 1),
+    ("layers", "wk"): ("model.layers.{i}.self_attn.k_proj.weight", 1),
+    ("layers", "wv"): ("model.layers.{i}.self_attn.v_proj.weight", 1),
+    ("layers", "wo"): ("model.layers.{i}.self_attn.o_proj.weight", 2),
+    ("layers", "q_norm"): ("model.layers.{i}.self_attn.q_norm.weight", None),
+    ("layers", "k_norm"): ("model.layers.{i}.self_attn.k_norm.weight", None),
+    ("layers", "mlp_norm"): ("model.layers.{i}.post_attention_layernorm.weight", None),
+    ("layers", "w_gate"): ("model.layers.{i}.mlp.gate_proj.weight", 1),
+    ("layers", "w_up"): ("model.layers.{i}.mlp.up_proj.weight", 1),
+    ("layers", "w_down"): ("model.layers.{i}.mlp.down_proj.weight", 1),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint jspec cannot read as it is; the message names the culprit and the fix."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A file of the checkpoint directory is missing; the message names the path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs.
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `config.json` dict; `overrides` replace ModelConfig fields
+    (e.g. `tap_layers`, `remat`, `param_dtype`)."""
+    arch = _architecture(hf)
+    unsupported = {
+        "attention_bias": True,
+        "mlp_bias": True,
+        "use_sliding_window": True,
+    }
+    for key, bad in unsupported.items():
+        if hf.get(key) == bad:
+            raise CheckpointError(
+                f"config.json sets {key}={bad}, which jspec's {arch} does not implement; only "
+                f"checkpoints with {key}=false load."
+            )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"config.json sets hidden_act={hf['hidden_act']!r}; jspec's SwiGLU MLP needs 'silu'."
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "llama3":
+        names = [f.name for f in dataclasses.fields(RopeScaling)]
+        scaling = RopeScaling(**{n: rope[n] for n in names if n in rope})
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise CheckpointError(
+            f"config.json asks for rope_type={rope_type!r}; jspec supports 'default' and 'llama3'."
+        )
+    try:
+        heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+        config = ModelConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            intermediate_size=hf["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qk_norm=SUPPORTED[arch] == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=hf.get("max_position_embeddings", 4096),
+            dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
+            param_dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}.") from None
+    return dataclasses.replace(config, **overrides)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face `config.json` dict of a ModelConfig (Qwen3 iff qk_norm, else Llama)."""
+    c = config
+    qwen = c.qk_norm
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta}
+        rope.update(dataclasses.asdict(c.rope_scaling))
+    return {
+        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen else "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "rope_parameters": rope,
+        "dtype": c.param_dtype,
+    }
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    names = hf.get("architectures") or []
+    by_type = {t: a for a, t in SUPPORTED.items()}
+    for name in names:
+        if name in SUPPORTED:
+            return name
+    if not names and hf.get("model_type") in by_type:
+        return by_type[hf["model_type"]]
+    found = names or [f"model_type={hf.get('model_type')!r}"]
+    raise CheckpointError(
+        f"architecture {', '.join(found)} is not supported; jspec loads "
+        f"{' and '.join(SUPPORTED)} checkpoints (config.json 'architectures')."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout conversion.
+
+
+def _from_hf(w: np.ndarray, shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
+    return w if n_in is None else w.T.reshape(shape)
+
+
+def _to_hf(w: np.ndarray, n_in: int | None) -> np.ndarray:
+    if n_in is None:
+        return np.ascontiguousarray(w)
+    return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_in]), -1).T)
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+    return shape if n_in is None else (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Import.
+
+
+class _Reader:
+    """The checkpoint's tensors by key, across its safetensors files (opened on first use)."""
+
+    def __init__(self, root: pathlib.Path, config: ModelConfig, stack: contextlib.ExitStack):
+        self.root, self.config, self.stack, self.files = root, config, stack, {}
+        if (root / INDEX).is_file():
+            self.where = json.loads((root / INDEX).read_text())["weight_map"]
+            self.source = root / INDEX
+        elif (root / SINGLE).is_file():
+            self.where = dict.fromkeys(self._open(SINGLE).keys(), SINGLE)
+            self.source = root / SINGLE
+        else:
+            raise CheckpointNotFoundError(
+                f"no weights in {root}: neither {root / SINGLE} nor {root / INDEX} exists; point "
+                "at a Hugging Face checkpoint directory (save_pretrained writes one)."
+            )
+
+    def _open(self, name: str):
+        if name not in self.files:
+            path = self.root / name
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path} (listed in {self.root / INDEX}) not found.")
+            self.files[name] = self.stack.enter_context(safe_open(path, framework="np"))
+        return self.files[name]
+
+    def tensor(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Tensor `key`, checked to have `shape` (in the Hugging Face layout)."""
+        if key not in self.where:
+            raise CheckpointError(
+                f"tensor {key!r} is missing from {self.source}; the checkpoint does not match "
+                f"its config.json (num_hidden_layers={self.config.num_layers}, "
+                f"tie_word_embeddings={self.config.tie_embeddings}): fix config.json or re-export."
+            )
+        w = self._open(self.where[key]).get_tensor(key)
+        if tuple(w.shape) != shape:
+            raise CheckpointError(
+                f"tensor {key!r} in {self.root / self.where[key]} has shape {tuple(w.shape)}, but "
+                f"config.json implies {shape}; the weights and config.json disagree."
+            )
+        return w
+
+    def param(self, path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """The jspec parameter at `path` in jspec layout (per-layer tensors read and stacked)."""
+        key, n_in = _KEYS[path]
+        if "{i}" not in key:
+            return _from_hf(self.tensor(key, _hf_shape(shape, n_in)), shape, n_in)
+        one = shape[1:]
+        layers = [self.tensor(key.format(i=i), _hf_shape(one, n_in)) for i in range(shape[0])]
+        return np.stack([_from_hf(w, one, n_in) for w in layers])
+
+
+def load(
+    path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | None = None, **overrides: Any
+) -> Transformer:
+    """A Transformer from a Hugging Face checkpoint directory.
+
+    `mesh`: parameters are placed sharded by their logical axes as they load. `dtype`: parameter
+    and compute dtype ('float32', 'bfloat16', 'float16'; None keeps the checkpoint's). `overrides`:
+    other ModelConfig fields (e.g. `tap_layers=(1, 2, 3)`, `remat='dots'`).
+    """
+    root = pathlib.Path(path)
+    if not (root / CONFIG).is_file():
+        raise CheckpointNotFoundError(
+            f"{root / CONFIG} not found; point at a Hugging Face checkpoint directory (it holds "
+            f"{CONFIG} and {SINGLE} or {INDEX})."
+        )
+    if dtype is not None:
+        overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+    config = config_from_hf(json.loads((root / CONFIG).read_text()), **overrides)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh))
+    graphdef, state = nnx.split(abstract)
+    np_dtype = np.dtype(jnp.dtype(config.param_dtype))
+    values: dict = {}
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(root, config, stack)
+        for keys, var in nnx.to_flat_state(state):
+            host = reader.param(keys, tuple(var.shape)).astype(np_dtype, copy=False)
+            if mesh is None:
+                array = jax.device_put(host)
+            else:  # each device receives its own slice only
+                sharding = mesh_lib.sharding(mesh, var.axes)
+                array = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
+            node = values
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = array
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export.
+
+
+def save(
+    path: str | pathlib.Path, model: Transformer, *, max_shard_bytes: int | None = None
+) -> None:
+    """Writes `config.json` and the weights in the Hugging Face layout, loadable by `transformers`.
+
+    With `max_shard_bytes`, weights larger than that are split into numbered shard files plus
+    `model.safetensors.index.json`. Gathers each parameter to this host: single-host models only.
+    """
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for keys, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key, n_in = _KEYS[keys]
+        host = np.asarray(jax.device_get(var[...]))
+        if "{i}" in key:
+            tensors.update({key.format(i=i): _to_hf(w, n_in) for i, w in enumerate(host)})
+        else:
+            tensors[key] = _to_hf(host, n_in)
+    (root / CONFIG).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+    meta = {"format": "pt"}  # transformers refuses safetensors files without it
+    total = sum(w.nbytes for w in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, root / SINGLE, metadata=meta)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    for key, w in tensors.items():
+        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + w.nbytes > max_shard_bytes:
+            shards.append({})
+        shards[-1][key] = w
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, root / name, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")

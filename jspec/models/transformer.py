@@ -1,0 +1,443 @@
+"""A decoder-only LM of the Llama 3 / Qwen3 families, in Flax NNX.
+
+One layer body (`Block.__call__`) serves every use; what differs is how it is driven:
+
+- training (`Transformer.__call__`): packed rows, layers scanned (`jax.lax.scan`) under the remat
+  policy of `ModelConfig.remat`;
+- rollout (`prefill`, `decode`, `branch_forward`): layers stepped through in a Python loop that
+  indexes the stacked weights, because a scanned stack streams weights 1.7-2.5x slower in decode
+  (GPU.md).
+
+Attention itself is `jspec.attention`: this module rotates q and k and hands them over. Decode is
+the one-node case of the branch forward (the new token hangs off the last cached token), so the
+cache only ever grows by `KVCache.append`.
+
+Shape suffixes: B batch, T tokens, N branch nodes, S cache slots, L layers, D hidden, H query heads,
+K key/value heads, E head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int
+
+from jspec import mesh as mesh_lib
+from jspec.attention import Branch, attention
+from jspec.config import ConfigError, ModelConfig
+
+# Batch and sequence names of activations, in training and in rollout (where the context axis
+# serves as extra data parallelism: DESIGN.md).
+TRAIN_ACT = ("batch", "seq")
+ROLLOUT_ACT = ("decode_batch", None)
+
+KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
+Taps = Float[Array, "taps b t d"]  # hidden states entering the layers config.taps (T may be absent)
+
+# Which config field sizes each logical parameter axis, for the mesh check.
+_AXIS_FIELDS = {
+    "vocab": "vocab_size",
+    "embed": "hidden_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "mlp": "intermediate_size",
+    "layers": "num_layers",
+}
+
+
+def check_mesh(config: ModelConfig, mesh: Mesh | None) -> None:
+    """Raises ConfigError if a parameter axis does not divide over the mesh axes it is split on."""
+    if mesh is None:
+        return
+    for name, field in _AXIS_FIELDS.items():
+        axes = mesh_lib.RULES.get(name)
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        size = math.prod(mesh.shape[a] for a in axes)
+        value = getattr(config, field)
+        if value % size:
+            mesh_size = " x ".join(f"mesh.{a}" for a in axes)
+            raise ConfigError(
+                f"model.{field}={value} is not divisible by {size}, the size of {mesh_size} that "
+                f"parameter axis {name!r} is split over; set {mesh_size} to a divisor of {value},"
+                f" or use a model whose {field} is a multiple of {size}."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces.
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm over the last axis in float32, rounded back before the weight (as Hugging Face)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [E/2] (float32), with Llama-3 frequency-dependent scaling if set."""
+    e = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, e, 2, dtype=np.float32) / e))
+    s = config.rope_scaling
+    if s is None:
+        return inv.astype(np.float32)
+    wavelen = 2 * np.pi / inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(config: ModelConfig, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
+    """(cos, sin) [B,T,1,E/2] for `apply_rope`, computed once per forward for all layers."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
+    return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+def apply_rope(x_BTHE: Array, cos_sin: tuple[Array, Array]) -> Array:
+    """Rotary embedding in the split-half layout of Hugging Face Llama/Qwen (`rotate_half`)."""
+    cos, sin = cos_sin
+    x1, x2 = jnp.split(x_BTHE.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHE.dtype)
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, fan_in: int | None) -> nnx.Param:
+    """A parameter with its logical axis names; fan_in None means ones (a norm weight)."""
+    if fan_in is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer.
+
+
+class Block(nnx.Module):
+    """The decoder layers: one Block holds the weights of all L layers stacked on axis 0.
+
+    `__call__` is the body of one layer and runs on a one-layer slice of the weights (as merged
+    by `Transformer._scan` and `Transformer._unrolled`); the stacked module is never called.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, n = config, config.num_layers
+        d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        p = functools.partial(_param, rngs, dtype=jnp.dtype(c.param_dtype))
+        self.config = config
+        self.attn_norm = p((n, d), ("layers", "norm"), fan_in=None)
+        self.wq = p((n, d, h, e), ("layers", "embed", "heads", "head_dim"), fan_in=d)
+        self.wk = p((n, d, k, e), ("layers", "embed", "kv_heads", "head_dim"), fan_in=d)
+        self.wv = p((n, d, k, e), ("layers", "embed", "kv_heads", "head_dim"), fan_in=d)
+        self.wo = p((n, h, e, d), ("layers", "heads", "head_dim", "embed"), fan_in=h * e)
+        self.q_norm = p((n, e), ("layers", "norm"), fan_in=None) if c.qk_norm else None
+        self.k_norm = p((n, e), ("layers", "norm"), fan_in=None) if c.qk_norm else None
+        self.mlp_norm = p((n, d), ("layers", "norm"), fan_in=None)
+        self.w_gate = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
+        self.w_up = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
+        self.w_down = p((n, f, d), ("layers", "mlp", "embed"), fan_in=f)
+
+    def __call__(self, x_BTD, cos_sin, attend):
+        """One layer. `attend(q, k, v) -> out` is the attention of the caller's mode (rotated q, k).
+
+        Returns the new residual stream and this layer's (k, v) [B,T,K,E], rotated, for caches.
+        """
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        w = lambda p: p[...].astype(dt)
+        h_BTD = rms_norm(x_BTD, self.attn_norm[...], c.rms_norm_eps)
+        q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, w(self.wq))
+        k_BTKE = jnp.einsum("btd,dke->btke", h_BTD, w(self.wk))
+        v_BTKE = jnp.einsum("btd,dke->btke", h_BTD, w(self.wv))
+        if c.qk_norm:
+            q_BTHE = rms_norm(q_BTHE, self.q_norm[...], c.rms_norm_eps)
+            k_BTKE = rms_norm(k_BTKE, self.k_norm[...], c.rms_norm_eps)
+        q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
+        o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
+        x_BTD = x_BTD + jnp.einsum("bthe,hed->btd", o_BTHE, w(self.wo))
+        h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        g_BTF = jnp.einsum("btd,df->btf", h_BTD, w(self.w_gate))
+        u_BTF = jnp.einsum("btd,df->btf", h_BTD, w(self.w_up))
+        x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w(self.w_down))
+        return x_BTD, (k_BTKE, v_BTKE)
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV cache.
+
+
+class KVCache(NamedTuple):
+    """Static-shape KV cache (a pytree), one document per row.
+
+    Slot i of row b holds the token at position i; slots at or past `length[b]` carry segment 0, so
+    attention never sees them, whatever their K/V.
+    """
+
+    k: Float[Array, "l b s kv e"]
+    v: Float[Array, "l b s kv e"]
+    segment_ids: Int[Array, "b s"]
+    positions: Int[Array, "b s"]
+    length: Int[Array, " b"]
+
+    def append(self, k: KV, v: KV, count: Int[Array, " b"]) -> KVCache:
+        """Writes the first `count[b]` of the N new tokens of row b at slots `length[b]` onwards.
+
+        Prefill, decode and accepted draft paths all grow the cache through here. Writes past the
+        last slot are dropped: keep `length + count <= max_len`.
+        """
+        b, s = self.segment_ids.shape
+        j = jnp.arange(k.shape[2], dtype=jnp.int32)
+        slot_BN = jnp.where(j < count[:, None], self.length[:, None] + j, s)
+        row_B1 = jnp.arange(b)[:, None]
+        put = lambda a, x: a.at[row_B1, slot_BN].set(x, mode="drop")
+        put_kv = lambda a, x: a.at[:, row_B1, slot_BN].set(x.astype(a.dtype), mode="drop")
+        return KVCache(
+            k=put_kv(self.k, k),
+            v=put_kv(self.v, v),
+            segment_ids=put(self.segment_ids, 1),
+            positions=put(self.positions, slot_BN),
+            length=self.length + count.astype(jnp.int32),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The model.
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. Parameters carry logical axis names (`param_shardings` places them).
+
+    `mesh` (static) is used only for activation sharding constraints; None means none.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        config.validate()
+        check_mesh(config, mesh)
+        c, pdt = config, jnp.dtype(config.param_dtype)
+        self.config = config
+        self.mesh = mesh
+        vd = (c.vocab_size, c.hidden_size)
+        self.embed = _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+        self.layers = Block(config, rngs=rngs)
+        self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pdt, None)
+        tied = c.tie_embeddings
+        self.unembed = None if tied else _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        tokens: Int[Array, "b t"],
+        segment_ids: Int[Array, "b t"] | None = None,
+        positions: Int[Array, "b t"] | None = None,
+        *,
+        taps: bool = False,
+    ) -> Float[Array, "b t v"] | tuple[Float[Array, "b t v"], Taps]:
+        """Logits (float32) of packed rows; with `taps`, also the hidden states entering the layers
+        `config.taps` [len(taps),B,T,D] (not detached: the caller stops their gradient).
+
+        segment_ids None: one document per row; positions None: 0..T-1 in every row (pass them
+        for packed rows, restarting at each document).
+        """
+        b, t = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
+        x_BTD = self._embed(tokens, TRAIN_ACT)
+        x_BTD, taps_ = self._scan(x_BTD, rope_angles(self.config, positions), attend, taps)
+        logits = self._logits(x_BTD, TRAIN_ACT)
+        return (logits, jnp.stack(taps_)) if taps else logits
+
+    # -- rollout -------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache of `max_len` slots per row."""
+        c = self.config
+        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+        bs = ROLLOUT_ACT[0]
+        kv = lambda: self._constrain(
+            jnp.zeros(shape, jnp.dtype(c.dtype)), (None, bs, None, "act_kv_heads", None)
+        )
+        ids = lambda: self._constrain(jnp.zeros((batch, max_len), jnp.int32), (bs, None))
+        length = self._constrain(jnp.zeros((batch,), jnp.int32), (bs,))
+        return KVCache(kv(), kv(), ids(), ids(), length)
+
+    def prefill(
+        self,
+        tokens: Int[Array, "b t"],
+        cache: KVCache,
+        lengths: Int[Array, " b"] | None = None,
+        *,
+        taps: bool = False,
+    ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
+        """Runs right-padded prompts (row b: `lengths[b] >= 1` tokens; None: T) into an empty cache.
+
+        Returns the logits at each row's last prompt token, the filled cache and, with `taps`, the
+        tap hidden states of every prompt token [len(taps),B,T,D].
+        """
+        b, t = tokens.shape
+        if lengths is None:
+            lengths = jnp.full((b,), t, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+        attend = lambda i, q, k, v: attention(q, k, v, segment_ids, positions)
+        x_BTD = self._embed(tokens, ROLLOUT_ACT)
+        x_BTD, taps_, (k, v) = self._unrolled(
+            x_BTD, rope_angles(self.config, positions), attend, taps
+        )
+        last_BD = jnp.take_along_axis(x_BTD, (lengths - 1)[:, None, None], axis=1)
+        logits = self._logits(last_BD, ROLLOUT_ACT)[:, 0]
+        cache = cache.append(k, v, lengths)
+        return (logits, cache, jnp.stack(taps_)) if taps else (logits, cache)
+
+    def decode(
+        self, token: Int[Array, " b"], cache: KVCache, *, taps: bool = False
+    ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
+        """One token per row at position `cache.length`: logits [B,V], the cache with the token
+        appended, and with `taps` the tap hidden states [len(taps),B,D]."""
+        pos_B1 = cache.length[:, None]
+        out = self.branch_forward(
+            cache, token[:, None], pos_B1, pos_B1 - 1, jnp.full_like(pos_B1, -1), taps=taps
+        )
+        logits, k, v = out[0][:, 0], out[1], out[2]
+        cache = cache.append(k, v, jnp.ones_like(cache.length))
+        return (logits, cache, out[3][:, :, 0]) if taps else (logits, cache)
+
+    def branch_forward(
+        self,
+        cache: KVCache,
+        tokens: Int[Array, "b n"],
+        positions: Int[Array, "b n"],
+        anchor: Int[Array, "b n"],
+        parent: Int[Array, "b n"],
+        *,
+        taps: bool = False,
+    ) -> tuple[Float[Array, "b n v"], KV, KV] | tuple[Float[Array, "b n v"], KV, KV, Taps]:
+        """Branch tokens against the cache (the verify pass of speculative decoding).
+
+        Node i of row b is token `tokens[b, i]` at `positions[b, i]` (the root's position + depth),
+        hanging off cache slot `anchor[b, i]` (-1: padding node) below node `parent[b, i]` (-1:
+        none); it sees the cache up to its anchor and its ancestors. Negative tokens are allowed
+        for padding nodes. Returns logits [B,N,V], the nodes' K and V [L,B,N,K,E] (for
+        `KVCache.append` of the accepted ones) and, with `taps`, their tap states [len(taps),B,N,D].
+        The cache is not changed.
+        """
+
+        def attend(i, q, k, v):
+            branch = Branch(q, k, v, anchor, parent)
+            kc, vc = cache.k[i], cache.v[i]
+            return attention(None, kc, vc, cache.segment_ids, cache.positions, branch=branch)[1]
+
+        x_BND = self._embed(tokens, ROLLOUT_ACT)
+        x_BND, taps_, (k, v) = self._unrolled(
+            x_BND, rope_angles(self.config, positions), attend, taps
+        )
+        logits = self._logits(x_BND, ROLLOUT_ACT)
+        return (logits, k, v, jnp.stack(taps_)) if taps else (logits, k, v)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _constrain(self, x, names):
+        return mesh_lib.constrain(x, self.mesh, names)
+
+    def _embed(self, tokens, act):
+        table = self.embed[...].astype(jnp.dtype(self.config.dtype))
+        x = jnp.take(table, tokens, axis=0, mode="clip")  # clip: padding tokens may be negative
+        return self._constrain(x, (*act, "act_embed"))
+
+    def _logits(self, x_BTD, act):
+        c = self.config
+        x_BTD = rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
+        w_VD = (self.embed if self.unembed is None else self.unembed)[...].astype(x_BTD.dtype)
+        logits = jnp.einsum("btd,vd->btv", x_BTD, w_VD, preferred_element_type=jnp.float32)
+        return self._constrain(logits, (*act, "act_vocab"))
+
+    def _scan(self, x_BTD, cos_sin, attend, taps: bool):
+        """All layers by `lax.scan` under the remat policy; cut where a tap is taken."""
+        graphdef, state = nnx.split(self.layers)
+
+        def body(x, state_i):
+            x = self._constrain(x, (*TRAIN_ACT, "act_embed"))
+            return nnx.merge(graphdef, state_i)(x, cos_sin, attend)[0], None
+
+        remat = self.config.remat
+        if remat != "none":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            policy = None if remat == "full" else policy
+            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+        cuts = sorted(self.config.taps) if taps else []
+        entering, start = {}, 0
+        for stop in [*cuts, self.config.num_layers]:
+            if stop > start:
+                part = jax.tree.map(lambda a, lo=start, hi=stop: a[lo:hi], state)
+                x_BTD, _ = jax.lax.scan(body, x_BTD, part)
+            entering[stop], start = x_BTD, stop
+        return x_BTD, [entering[t] for t in self.config.taps] if taps else []
+
+    def _unrolled(self, x_BTD, cos_sin, attend, taps: bool):
+        """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V.
+
+        `attend(i, q, k, v)` gets the layer index, to read layer i of a cache.
+        """
+        graphdef, state = nnx.split(self.layers)
+        entering, ks, vs = {}, [], []
+        for i in range(self.config.num_layers):
+            x_BTD = entering[i] = self._constrain(x_BTD, (*ROLLOUT_ACT, "act_embed"))
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))  # static slice
+            x_BTD, (k, v) = layer(x_BTD, cos_sin, functools.partial(attend, i))
+            ks.append(k)
+            vs.append(v)
+        tapped = [entering[t] for t in self.config.taps] if taps else []
+        return x_BTD, tapped, (jnp.stack(ks), jnp.stack(vs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement.
+
+
+def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedShardings of every parameter, by its logical axes and `jspec.mesh.RULES`.
+
+    The result is a tree prefix of `nnx.state(model)`: use it with `jax.device_put(state, ...)`
+    or as `out_shardings` of a jitted init.
+    """
+    state = model_or_state
+    if isinstance(model_or_state, nnx.Module):
+        state = nnx.state(model_or_state)
+    return jax.tree.map(
+        lambda var: mesh_lib.sharding(mesh, var.axes),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def create(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
+    """A randomly initialised Transformer whose parameters are born sharded over `mesh`.
+
+    Initialisation runs under `jit` with the parameters' shardings as outputs, so no device ever
+    holds the whole model, and the values do not depend on the mesh.
+    """
+    make = lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    out = None if mesh is None else param_shardings(abstract, mesh)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=out)()
+    return nnx.merge(graphdef, state)

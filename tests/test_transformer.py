@@ -1,0 +1,262 @@
+"""The Transformer: cache and branch paths agree with the full forward; sharded training agrees
+with one device; the model refuses a mesh it does not fit.
+
+Compilation dominates on CPU, so every test reuses one model and one padded length.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jspec.config import ConfigError, MeshConfig, ModelConfig
+from jspec.mesh import logical_spec, make_mesh, sharding
+from jspec.models import KVCache, Transformer, create, param_shardings
+
+CONFIG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    intermediate_size=128,
+    qk_norm=True,
+    tap_layers=(0, 1, 2),
+)
+PAD = 16  # every single-sequence forward runs at this length: one compilation
+
+
+def close(got, want, rtol=1e-5):
+    """Max abs difference within rtol of the scale (max abs) of `want`."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    err, scale = np.abs(got - want).max(), np.abs(want).max()
+    assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
+
+
+def graphdef_for(config, mesh=None):
+    """The graphdef of a Transformer, without initialising one."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh)))[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def fns(model):
+    """Jitted entry points over (state, ...), split/merge at the edge."""
+    graphdef, state = nnx.split(model)
+    m = lambda s: nnx.merge(graphdef, s)
+    host = lambda f: lambda *a: jax.device_get(f(*a))  # index results in numpy, not eagerly
+    padded = host(jax.jit(lambda s, t, seg: m(s)(t, seg, taps=True)))
+    prefill = host(jax.jit(lambda s, t, c, n: m(s).prefill(t, c, n, taps=True)))
+    decode = host(jax.jit(lambda s, t, c: m(s).decode(t, c, taps=True)))
+    branch = host(jax.jit(lambda s, c, *a: m(s).branch_forward(c, *a, taps=True)))
+
+    def forward(seq):
+        """Logits [T,V] and taps [3,T,D] of one sequence, from the training forward."""
+        n = len(seq)
+        tok = np.zeros((1, PAD), np.int32)
+        tok[0, :n] = seq
+        logits, taps = padded(state, tok, (np.arange(PAD) < n).astype(np.int32)[None])
+        return logits[0, :n], taps[:, 0, :n]
+
+    return state, forward, prefill, decode, branch
+
+
+def tokens(seed, n):
+    return np.random.RandomState(seed).randint(0, CONFIG.vocab_size, n).astype(np.int32)
+
+
+def test_prefill_then_decode_matches_forward(model, fns):
+    state, forward, prefill, decode, _ = fns
+    lengths = np.array([5, 9], np.int32)
+    seqs = [tokens(1, 13), tokens(2, 13)]  # row b: prompt seqs[b][:lengths[b]], then decoded
+    prompt = np.zeros((2, 9), np.int32)
+    for b in range(2):
+        prompt[b, : lengths[b]] = seqs[b][: lengths[b]]
+    full = [forward(s) for s in seqs]
+
+    logits, cache, taps = prefill(state, prompt, model.init_cache(2, PAD), lengths)
+    for b in range(2):
+        n = lengths[b]
+        close(logits[b], full[b][0][n - 1])
+        close(taps[:, b, :n], full[b][1][:, :n])
+    np.testing.assert_array_equal(cache.length, lengths)
+    np.testing.assert_array_equal(cache.segment_ids[0], [1] * 5 + [0] * 11)
+    np.testing.assert_array_equal(cache.positions[1, :9], np.arange(9))
+    for step in range(4):
+        token = np.array([seqs[b][lengths[b] + step] for b in range(2)])
+        logits, cache, taps = decode(state, token, cache)
+        for b in range(2):
+            t = lengths[b] + step
+            close(logits[b], full[b][0][t])
+            close(taps[:, b], full[b][1][:, t])
+    np.testing.assert_array_equal(cache.length, lengths + 4)
+
+
+def test_branch_forward_matches_root_to_node_paths(model, fns):
+    state, forward, prefill, decode, branch = fns
+    lengths = np.array([6, 4], np.int32)
+    prompt = np.stack([tokens(3, 6), tokens(4, 6)])
+    _, cache, _ = prefill(state, prompt, model.init_cache(2, PAD), lengths)
+
+    # Node 0 is the root (the last sampled token, not cached); node 5 is padding (anchor -1).
+    parent = np.array([-1, 0, 0, 1, 3, -1, 2], np.int32)
+    depth = np.array([0, 1, 1, 2, 3, 0, 2], np.int32)
+    node_tokens = np.stack([tokens(5, 7), tokens(6, 7)])
+    node_tokens[:, 5] = -1
+    anchor = np.repeat((lengths - 1)[:, None], 7, axis=1)  # every node hangs off the last slot
+    anchor[:, 5] = -1
+    positions = lengths[:, None] + depth[None]
+    logits, k, v, taps = branch(
+        state, cache, node_tokens, positions, anchor, np.broadcast_to(parent, (2, 7))
+    )
+    assert k.shape == v.shape == (3, 2, 7, 4, 8)
+    assert np.isfinite(logits).all()
+
+    def path(node):
+        return [] if node == -1 else path(parent[node]) + [node]
+
+    for b in range(2):
+        for node in (0, 1, 2, 3, 4, 6):
+            want_logits, want_taps = forward(
+                np.concatenate([prompt[b, : lengths[b]], node_tokens[b, path(node)]])
+            )
+            close(logits[b, node], want_logits[-1])
+            close(taps[:, b, node], want_taps[:, -1])
+
+    # Writing the accepted path 0 -> 1 -> 3 into the cache, then decoding, continues that path.
+    accepted = np.array([0, 1, 3])
+    count = np.full((2,), 3, np.int32)
+    cache = jax.jit(KVCache.append)(cache, k[:, :, accepted], v[:, :, accepted], count)
+    nxt = np.array([7, 8], np.int32)
+    logits, cache, _ = decode(state, nxt, cache)
+    for b in range(2):
+        seq = np.concatenate([prompt[b, : lengths[b]], node_tokens[b, accepted], nxt[b : b + 1]])
+        close(logits[b], forward(seq)[0][-1])
+
+
+def test_taps_are_layer_inputs(model, fns):
+    _, forward, *_ = fns
+    seq = tokens(7, 8)
+    _, taps = forward(seq)
+    assert taps.shape == (3, 8, 64)
+    np.testing.assert_array_equal(taps[0], model.embed[...][seq])  # tap layer 0: embeddings
+
+
+def test_rollout_on_a_mesh_matches_one_device(fns):
+    """Rows split over data x context (extra data parallelism in rollout), heads over tensor."""
+    state, forward, *_ = fns
+    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
+    graphdef = graphdef_for(CONFIG, mesh)
+    m = lambda s: nnx.merge(graphdef, s)
+    sharded = jax.device_put(state, param_shardings(state, mesh))
+    cache = m(sharded).init_cache(4, PAD)
+    names = (None, "decode_batch", None, "act_kv_heads", None)
+    assert cache.k.sharding.spec == logical_spec(names)
+    seqs = np.random.RandomState(8).randint(0, CONFIG.vocab_size, (4, 9)).astype(np.int32)
+    lengths = np.array([8, 5, 3, 6], np.int32)
+    prompt = np.where(np.arange(8) < lengths[:, None], seqs[:, :8], 0)
+    nxt = seqs[np.arange(4), lengths]
+    _, cache = jax.jit(lambda s, *a: m(s).prefill(*a))(sharded, prompt, cache, lengths)
+    got, cache = jax.jit(lambda s, *a: m(s).decode(*a))(sharded, nxt, cache)
+    assert cache.k.sharding.is_equivalent_to(sharding(mesh, names), 5)
+    for b in range(4):
+        close(got[b], forward(seqs[b, : lengths[b] + 1])[0][-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forward: sharding and remat change nothing.
+
+
+def packed_batch(b, t, seed=0):
+    """Rows of two documents each (segment ids 1, 2), positions restarting, a padded tail."""
+    rng = np.random.RandomState(seed)
+    tok = rng.randint(0, CONFIG.vocab_size, (b, t)).astype(np.int32)
+    seg = np.zeros((b, t), np.int32)
+    pos = np.zeros((b, t), np.int32)
+    for r in range(b):
+        cut, end = rng.randint(2, t - 4), rng.randint(t - 3, t + 1)
+        seg[r, :cut], seg[r, cut:end] = 1, 2
+        pos[r, :cut], pos[r, cut:end] = np.arange(cut), np.arange(end - cut)
+    return tok, seg, pos
+
+
+def loss_fn(graphdef):
+    """Mean next-token cross-entropy within documents."""
+
+    def loss(state, tok, seg, pos):
+        logits = nnx.merge(graphdef, state)(tok, seg, pos)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        nll = -jnp.take_along_axis(logp, tok[:, 1:, None], axis=-1)[..., 0]
+        mask = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+        return jnp.sum(nll * mask) / jnp.sum(mask)
+
+    return loss
+
+
+BATCH = packed_batch(8, PAD)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Loss and gradients on one device, remat 'full'."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(jax.value_and_grad(loss_fn(graphdef)))(state, *BATCH)
+
+
+@pytest.mark.parametrize("shape", [dict(data=2, tensor=4), dict(data=8)])
+def test_sharded_train_forward_matches_one_device(model, reference, shape):
+    mesh = make_mesh(MeshConfig(**shape))
+    state = nnx.state(model)
+    state = jax.device_put(state, param_shardings(state, mesh))
+    rows = sharding(mesh, ("batch", None))
+    step = jax.jit(jax.value_and_grad(loss_fn(graphdef_for(CONFIG, mesh))))
+    loss, grad = step(state, *(jax.device_put(x, rows) for x in BATCH))
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+    jax.tree.map(lambda g, w: close(g, w, 1e-4), grad, reference[1])
+    w_up = grad["layers"]["w_up"][...]
+    assert w_up.sharding.is_equivalent_to(sharding(mesh, ("layers", "embed", "mlp")), 3)
+
+
+def test_remat_dots_agrees_with_full(model, reference):
+    graphdef = graphdef_for(dataclasses.replace(CONFIG, remat="dots"))
+    loss, grad = jax.jit(jax.value_and_grad(loss_fn(graphdef)))(nnx.state(model), *BATCH)
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-6)
+    jax.tree.map(lambda g, w: close(g, w, 1e-5), grad, reference[1])
+
+
+def test_bfloat16_compute_close_to_float32(model, reference):
+    graphdef = graphdef_for(dataclasses.replace(CONFIG, dtype="bfloat16"))
+    loss = jax.jit(loss_fn(graphdef))(nnx.state(model), *BATCH)
+    np.testing.assert_allclose(loss, reference[0], rtol=2e-2)
+
+
+def test_create_places_parameters_on_the_mesh(model):
+    mesh = make_mesh(MeshConfig(data=2, tensor=4))
+    sharded = create(CONFIG, mesh=mesh)
+    assert sharded.mesh is mesh
+    assert sharded.layers.wq[...].sharding.spec == logical_spec(
+        ("layers", "embed", "heads", "head_dim")
+    )
+    assert sharded.embed[...].sharding.spec == logical_spec(("vocab", "embed"))
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(sharded), nnx.state(model))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("num_kv_heads", 2), ("vocab_size", 250), ("intermediate_size", 126)]
+)
+def test_model_that_does_not_fit_the_tensor_axis_is_refused(field, value):
+    mesh = make_mesh(MeshConfig(data=2, tensor=4))
+    config = dataclasses.replace(CONFIG, **{field: value})
+    with pytest.raises(
+        ConfigError, match=rf"model\.{field}={value} is not divisible by 4.*mesh\.tensor"
+    ):
+        Transformer(config, rngs=nnx.Rngs(0), mesh=mesh)

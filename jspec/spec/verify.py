@@ -1,0 +1,234 @@
+"""Lossless verification of a draft tree: a pure function over logits (DESIGN.md, the contract).
+
+The walk. Nodes are topologically ordered (a parent precedes its children), so one pass over the
+node indices visits every candidate in the right order: starting at the root, the node in hand is
+tested iff it is a (non-padding) child of the current node; when it is accepted it becomes the
+current node, and since its own children come later in index order the same pass continues below
+it, while its remaining siblings are skipped because their parent is no longer current. The
+siblings of a node are therefore tried in index order, each uses its own uniform, and the walk
+costs N steps of O(V) with static shapes.
+
+The rules, one function each:
+- point-mass proposals (`draft_probs=None`): accept child x with probability p(x); on rejection
+  p(x) <- 0 and renormalise (the next sibling is then tested against the remaining mass).
+- sampled proposals (siblings drawn i.i.d. from q; a chain is the one-sibling case, Leviathan /
+  Chen): accept with probability min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)) and q
+  is kept unchanged (SpecInfer multi-step speculative sampling).
+- the next token is drawn from p as it stands at the last accepted node: the target itself (a
+  bonus token) if no child there was rejected, the residual otherwise.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from jspec.spec.sampling import check_sampling_args, sample_from_probs, sampling_probs
+
+# A residual with less mass than this is numerical noise (p == q in exact arithmetic). The walk
+# only reaches such a residual through a rejection whose probability is that same mass, so falling
+# back to p there moves the output distribution by less than this, per rejection.
+_RESIDUAL_FLOOR = 1e-6
+
+
+class Verdict(NamedTuple):
+    """What `verify` decided, per row.
+
+    path: accepted node indices from the root down, -1 padded.
+    num_accepted: the number of accepted nodes (the length of `path` before the padding).
+    next_token: the correction (after a rejection) or bonus token at the last accepted node.
+    """
+
+    path: Int[Array, "b n"]
+    num_accepted: Int[Array, " b"]
+    next_token: Int[Array, " b"]
+
+
+def _target_probs(
+    logits: Float[Array, "b n1 v"], temperature: float, top_p: float, top_k: int
+) -> Float[Array, "b n1 v"]:
+    """The target's sampling distribution at every node: exactly what plain sampling uses."""
+    return sampling_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+def _at(p: Float[Array, "b v"], x: Int[Array, " b"]) -> Float[Array, " b"]:
+    return jnp.take_along_axis(p, x[:, None], axis=-1)[:, 0]
+
+
+def _renormalise(r: Float[Array, "b v"], fallback: Float[Array, "b v"]) -> Float[Array, "b v"]:
+    """r / sum(r), or `fallback` where r carries no more than numerical noise."""
+    mass = jnp.sum(r, axis=-1, keepdims=True)
+    return jnp.where(mass > _RESIDUAL_FLOOR, r / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
+def _accept_point_mass(
+    u: Float[Array, " b"], p: Float[Array, "b v"], x: Int[Array, " b"]
+) -> Bool[Array, " b"]:
+    return u < _at(p, x)
+
+
+def _reject_point_mass(p: Float[Array, "b v"], x: Int[Array, " b"]) -> Float[Array, "b v"]:
+    """p(x) <- 0, renormalised: the next sibling is tested against the target's remaining mass."""
+    return _renormalise(jnp.where(jnp.arange(p.shape[-1]) == x[:, None], 0.0, p), p)
+
+
+def _accept_sampled(
+    u: Float[Array, " b"], p: Float[Array, "b v"], q: Float[Array, "b v"], x: Int[Array, " b"]
+) -> Bool[Array, " b"]:
+    # u < min(1, p/q) without a division: u < 1 always, and q(x) = 0 only for an inconsistent draft.
+    return u * _at(q, x) < _at(p, x)
+
+
+def _reject_sampled(
+    p: Float[Array, "b v"], q: Float[Array, "b v"], x: Int[Array, " b"]
+) -> tuple[Float[Array, "b v"], Float[Array, "b v"]]:
+    """New (p, q) after rejecting sibling x: p <- norm(max(p - q, 0)); q is kept, because the
+    next sibling was drawn from q independently of x."""
+    del x
+    return _renormalise(jnp.maximum(p - q, 0.0), p), q
+
+
+def _walk(
+    u: Float[Array, "b n"],
+    tokens: Int[Array, "b n"],
+    parents: Int[Array, "b n"],
+    p_all: Float[Array, "b n1 v"],
+    q_all: Float[Array, "b n1 v"] | None,
+) -> tuple[Int[Array, "b n"], Int[Array, " b"], Float[Array, "b v"]]:
+    """Returns (path, num_accepted, the distribution of the next token), for every row at once."""
+    b, n = tokens.shape
+
+    def step(i, carry):
+        current, p, q, path, num = carry
+        x = jnp.maximum(tokens[:, i], 0)
+        tested = (parents[:, i] + 1 == current) & (tokens[:, i] >= 0)
+        if q_all is None:
+            accepted = tested & _accept_point_mass(u[:, i], p, x)
+            p_rejected, q_rejected = _reject_point_mass(p, x), q
+        else:
+            accepted = tested & _accept_sampled(u[:, i], p, q, x)
+            p_rejected, q_rejected = _reject_sampled(p, q, x)
+        rejected = (tested & ~accepted)[:, None]
+        p = jnp.where(accepted[:, None], p_all[:, i + 1], jnp.where(rejected, p_rejected, p))
+        if q_all is not None:
+            q = jnp.where(accepted[:, None], q_all[:, i + 1], jnp.where(rejected, q_rejected, q))
+        path = jnp.where(accepted[:, None] & (jnp.arange(n) == num[:, None]), i, path)
+        return jnp.where(accepted, i + 1, current), p, q, path, num + accepted
+
+    q0 = None if q_all is None else q_all[:, 0]
+    zeros = jnp.zeros((b,), jnp.int32)
+    init = (zeros, p_all[:, 0], q0, jnp.full((b, n), -1, jnp.int32), zeros)
+    _, p, _, path, num = jax.lax.fori_loop(0, n, step, init)
+    return path, num, p
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
+def _verify(key, tokens, parents, target_logits, draft_probs, *, temperature, top_p, top_k):
+    walk_key, next_key = jax.random.split(key)
+    u = jax.random.uniform(walk_key, tokens.shape)
+    p_all = _target_probs(target_logits, temperature, top_p, top_k)
+    q_all = None if draft_probs is None else draft_probs.astype(jnp.float32)
+    path, num_accepted, p_next = _walk(
+        u, tokens.astype(jnp.int32), parents.astype(jnp.int32), p_all, q_all
+    )
+    return Verdict(path, num_accepted, sample_from_probs(next_key, p_next))
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_parents(parents) -> None:
+    """A parent index must point to an earlier node (-1 is the root): the walk relies on it."""
+    parents = np.asarray(parents)
+    n = parents.shape[-1]
+    bad = (parents < -1) | (parents >= np.arange(n))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"parents{list(where)}={int(parents[where])} must point to an earlier node "
+            f"(-1 <= parent < {where[-1]}); order the nodes so that every parent precedes its "
+            "children, with -1 for children of the root"
+        )
+
+
+def _check_shapes(tokens, parents, target_logits, draft_probs) -> None:
+    if tokens.ndim != 2 or parents.shape != tokens.shape:
+        raise ValueError(
+            f"tokens {tokens.shape} and parents {parents.shape} must both be [batch, nodes]"
+        )
+    b, n = tokens.shape
+    if target_logits.ndim != 3 or target_logits.shape[:2] != (b, n + 1):
+        raise ValueError(
+            f"target_logits {target_logits.shape} must be [batch, nodes + 1, vocab] = "
+            f"[{b}, {n + 1}, vocab]: index 0 at the root, index i + 1 after node i"
+        )
+    if draft_probs is not None and draft_probs.shape != target_logits.shape:
+        raise ValueError(
+            f"draft_probs {draft_probs.shape} must have the shape of target_logits "
+            f"{target_logits.shape}: the draft's distribution over the full vocabulary at the root "
+            "and after every node"
+        )
+
+
+def verify(
+    key: jax.Array,
+    tokens: Int[Array, "b n"],
+    parents: Int[Array, "b n"],
+    target_logits: Float[Array, "b n1 v"],
+    draft_probs: Float[Array, "b n1 v"] | None = None,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Verdict:
+    """Verifies a batch of draft trees against the target; the output keeps the target's law.
+
+    tokens, parents: the tree's nodes in topological order; parent -1 is a child of the root, a
+      negative token a padding node (never accepted; its place must not depend on drawn values).
+    target_logits: raw logits, index 0 at the root and i + 1 after node i. The target distribution
+      is `sampling_probs(target_logits, temperature, top_p, top_k)`, the same as plain sampling.
+    draft_probs: None when the nodes are deterministic proposals (top-k, pruned, reranked, or
+      deduplicated trees), verified as point masses. Otherwise the draft's final distributions
+      (temperature and top-p already applied), index 0 at the root and i + 1 at node i, from which
+      each node's children were drawn independently with replacement.
+    temperature=0 is greedy: the accepted path follows the target's argmax and `next_token` is the
+      argmax at the last accepted node, whatever the proposals were.
+
+    The accepted tokens followed by `next_token` are distributed exactly as tokens drawn one at a
+    time from the target's sampling distribution. Arguments are checked here, before compilation:
+    shapes always, parent indices and tokens when they are concrete values; the sampling parameters
+    are static. `top_k` extends the contract of DESIGN.md so that verification can match plain
+    sampling that uses top-k.
+    """
+    check_sampling_args(temperature, top_p, top_k)
+    _check_shapes(tokens, parents, target_logits, draft_probs)
+    if _is_concrete(parents):
+        check_parents(parents)
+    if _is_concrete(tokens) and tokens.size and int(np.max(tokens)) >= target_logits.shape[-1]:
+        raise ValueError(
+            f"a token id {int(np.max(tokens))} is not in the vocabulary of size "
+            f"{target_logits.shape[-1]}; map draft-vocabulary ids to target ids before verifying"
+        )
+    return _verify(
+        key,
+        tokens,
+        parents,
+        target_logits,
+        draft_probs,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+    )
+
+
+def emitted_tokens(tokens: Int[Array, "b n"], verdict: Verdict) -> Int[Array, "b n1"]:
+    """The tokens a verification step emits per row: the accepted ones, then `next_token`, -1
+    padded to N + 1; row b emits `verdict.num_accepted[b] + 1` tokens."""
+    accepted = jnp.take_along_axis(tokens, jnp.maximum(verdict.path, 0), axis=1)
+    accepted = jnp.where(verdict.path >= 0, accepted, -1)
+    padded = jnp.concatenate([accepted, jnp.full_like(accepted[:, :1], -1)], axis=1)
+    return padded.at[jnp.arange(tokens.shape[0]), verdict.num_accepted].set(verdict.next_token)

@@ -1,0 +1,381 @@
+"""Losslessness of `verify`, tested on its output distribution, and the rules it must not bend.
+
+The statistical tests use a toy language model over V = 4 tokens whose logits are a fixed random
+function of the whole prefix (a table indexed by prefix), for the target and for the draft. A tree
+is drafted from the draft table, verified against the target table, and the emitted tokens are
+continued by plain sampling from the target up to a fixed length L. If verification is lossless,
+those L tokens follow the exact joint law of L tokens sampled one by one from the target, which is
+computed here in float64; a chi-square test at a fixed seed over 100,000 rows (the batch) must
+accept it at p > 1e-3. Every mutation below breaks one rule on the real code path; the same test
+must reject it at p < 1e-3 (in practice p is far smaller).
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.scipy.special import gammaincc
+
+import jspec.spec.verify as verify_module
+from jspec.spec import StaticTree, build_static_tree, emitted_tokens, sampling_probs
+from jspec.spec.sampling import _keep, _top_p_mask
+from jspec.spec.verify import verify
+
+V = 4
+TRIALS = 100_000
+P_VALUE = 1e-3
+FAN_OUT = StaticTree((-1, -1, -1, 0, 0, 1, 1, 2, 2))  # three siblings, two children each
+INTERLEAVED = StaticTree((-1, 0, -1, 1, 0, 2))  # siblings not contiguous; depth 3
+
+
+def offsets(length: int) -> np.ndarray:
+    """Index of the first prefix of each length, prefixes of one length in base-V order."""
+    return np.array([(V**n - 1) // (V - 1) for n in range(length + 1)])
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["target", "draft"], meta_fields=["length"]
+)
+@dataclasses.dataclass(frozen=True)
+class ToyModels:
+    """Target and draft logits as tables indexed by prefix, up to prefixes of length L - 1.
+
+    A pytree whose tables are traced arguments: baked in as constants, XLA would spend most of the
+    test constant-folding the sampling transform over the batch.
+    """
+
+    target: jax.Array
+    draft: jax.Array
+    length: int
+
+    @classmethod
+    def make(cls, length: int, seed: int) -> "ToyModels":
+        rows = offsets(length)[-1]
+        rng = np.random.default_rng(seed)
+        target = 1.5 * rng.standard_normal((rows, V), np.float32)
+        draft = 0.6 * target + 1.2 * rng.standard_normal((rows, V), np.float32)
+        return cls(jnp.asarray(target), jnp.asarray(draft), length)
+
+    def draft_step(self, frontier, codes):
+        """step_fn for the tree builders; `codes` are the frontier's prefixes in base V."""
+        slot = jnp.maximum(frontier.parent_slot, 0)
+        parent_codes = jnp.where(frontier.parent_slot >= 0, jnp.take_along_axis(codes, slot, 1), 0)
+        codes = parent_codes * V + frontier.tokens
+        return self.draft[jnp.asarray(offsets(self.length))[frontier.depth] + codes], codes
+
+    def target_logits(self, shape: StaticTree, tokens):
+        """[B, N + 1, V]: at the root, then after every node's path."""
+        codes, rows = [], [jnp.zeros(tokens.shape[0], jnp.int32)]
+        for i, parent in enumerate(shape.parents):
+            parent_code = codes[parent] if parent >= 0 else 0
+            codes.append(parent_code * V + jnp.maximum(tokens[:, i], 0))
+            rows.append(offsets(self.length)[shape.depth[i]] + codes[-1])
+        return self.target[jnp.stack(rows, axis=1)]
+
+    def joint(self, temperature, top_p, top_k=0):
+        """Exact probability of every sequence of L tokens sampled one by one from the target."""
+        probs = np.asarray(
+            sampling_probs(self.target, temperature=temperature, top_p=top_p, top_k=top_k),
+            np.float64,
+        )
+        joint, starts = np.ones(1), offsets(self.length)
+        for n in range(self.length):
+            joint = (joint[:, None] * probs[starts[n] : starts[n + 1]]).reshape(-1)
+        return joint
+
+
+def continue_from_target(key, models, emitted, temperature, top_p, top_k):
+    """Completes each row to L tokens by plain sampling from the target; returns base-V codes."""
+    code = jnp.zeros(emitted.shape[0], jnp.int32)
+    for n in range(models.length):
+        logits = models.target[offsets(models.length)[n] + code]
+        fresh = jax.random.categorical(
+            jax.random.fold_in(key, n),
+            jnp.log(sampling_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k)),
+        )
+        token = jnp.where(emitted[:, n] >= 0, emitted[:, n], fresh)
+        code = code * V + token
+    return code
+
+
+def dedup_siblings(shape: StaticTree, tokens):
+    """The mutation 'siblings deduplicated': a repeated sibling token becomes a padding node."""
+    parents = np.asarray(shape.parents)
+    for i in range(shape.num_nodes):
+        earlier = np.flatnonzero(parents[:i] == parents[i])
+        if earlier.size:
+            repeated = (tokens[:, earlier] == tokens[:, i : i + 1]).any(axis=1)
+            tokens = tokens.at[:, i].set(jnp.where(repeated, -1, tokens[:, i]))
+    return tokens
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("shape", "sampled", "temperature", "top_p", "top_k", "padding", "mutate_tree"),
+)
+def emitted_codes(
+    key, models, *, shape, sampled, temperature, top_p, top_k=0, padding=(), mutate_tree=None
+):
+    draft_key, verify_key, continue_key = jax.random.split(key, 3)
+    root = jnp.broadcast_to(models.draft[0], (TRIALS, V))
+    codes = jnp.zeros((TRIALS, 1), jnp.int32)
+    tree, _ = build_static_tree(
+        shape,
+        root,
+        models.draft_step,
+        codes,
+        key=draft_key if sampled else None,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+    )
+    tokens = tree.tokens.at[:, list(padding)].set(-1)
+    if mutate_tree is not None:
+        tokens = mutate_tree(shape, tokens)
+    verdict = verify(
+        verify_key,
+        tokens,
+        tree.parents,
+        models.target_logits(shape, tokens),
+        tree.draft_probs,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+    )
+    emitted = emitted_tokens(tokens, verdict)
+    return continue_from_target(continue_key, models, emitted, temperature, top_p, top_k)
+
+
+def chi_square_p_value(codes, joint) -> float:
+    """Pearson's test of the observed codes against `joint`; cells expecting < 5 are pooled, and
+    a draw in a cell of probability 0 fails outright."""
+    observed = np.bincount(np.asarray(codes), minlength=joint.size).astype(np.float64)
+    if observed[joint == 0].sum() > 0:
+        return 0.0
+    expected = observed.sum() * joint
+    big = expected >= 5
+    observed = np.append(observed[big], observed[~big & (joint > 0)].sum())
+    expected = np.append(expected[big], expected[~big & (joint > 0)].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    stat = np.sum((observed - expected) ** 2 / expected)
+    return float(gammaincc((expected.size - 1) / 2, stat / 2))
+
+
+def lossless_p_value(seed=0, **case) -> float:
+    models = ToyModels.make(length=int(case["shape"].depth.max()) + 1, seed=seed)
+    codes = emitted_codes(jax.random.key(seed + 1), models, **case)
+    return chi_square_p_value(
+        codes, models.joint(case["temperature"], case["top_p"], case.get("top_k", 0))
+    )
+
+
+CASES = {
+    "sampled chain": dict(shape=StaticTree.chain(2), sampled=True, temperature=0.7, top_p=0.9),
+    "point-mass chain": dict(shape=StaticTree.chain(2), sampled=False, temperature=1.0, top_p=1.0),
+    "sampled tree": dict(shape=FAN_OUT, sampled=True, temperature=0.8, top_p=1.0),
+    "point-mass tree": dict(shape=FAN_OUT, sampled=False, temperature=0.6, top_p=0.85),
+    "sampled tree with padding and top-k": dict(
+        shape=INTERLEAVED, sampled=True, temperature=1.2, top_p=0.95, top_k=3, padding=(4,)
+    ),
+    "point-mass tree with padding": dict(
+        shape=INTERLEAVED, sampled=False, temperature=0.9, top_p=0.8, padding=(2,)
+    ),
+}
+
+
+@pytest.fixture
+def fresh_traces():
+    """Mutations patch functions that jitted code has already traced: drop those traces."""
+
+    def clear():
+        verify_module._verify.clear_cache()
+        emitted_codes.clear_cache()
+
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_lossless(name):
+    assert lossless_p_value(**CASES[name]) > P_VALUE
+
+
+_reject_sampled_correct = verify_module._reject_sampled
+
+
+def _q_not_kept(p, q, x):
+    residual, _ = _reject_sampled_correct(p, q, x)
+    return residual, verify_module._reject_point_mass(q, x)  # q as if drawn without x
+
+
+def _top_p_on_residual(top_p):
+    def target_probs(logits, temperature, _, top_k):
+        return sampling_probs(logits, temperature=temperature, top_k=top_k)
+
+    def reject_sampled(p, q, x):
+        residual, q = _reject_sampled_correct(p, q, x)
+        return _keep(residual, _top_p_mask(residual, top_p)), q
+
+    return target_probs, reject_sampled
+
+
+def _before_temperature(logits, temperature, top_p, top_k):
+    return sampling_probs(logits, temperature=1.0, top_p=top_p, top_k=top_k)
+
+
+MUTATIONS = {  # name: (patches of jspec.spec.verify, the lossless case it breaks, tree mutation)
+    "q not kept after rejecting an i.i.d. sibling": (
+        dict(_reject_sampled=_q_not_kept),
+        "sampled tree",
+        None,
+    ),
+    "top-p applied to the residual instead of the target": (
+        dict(zip(("_target_probs", "_reject_sampled"), _top_p_on_residual(0.9), strict=True)),
+        "sampled chain",
+        None,
+    ),
+    "siblings deduplicated": (dict(), "sampled tree", dedup_siblings),
+    "target distribution taken before temperature": (
+        dict(_target_probs=_before_temperature),
+        "point-mass tree",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_mutation_is_caught(name, monkeypatch, fresh_traces):
+    """The unmutated case passes in `test_lossless`; with one rule broken it must fail."""
+    patches, case, mutate_tree = MUTATIONS[name]
+    for attribute, replacement in patches.items():
+        monkeypatch.setattr(verify_module, attribute, replacement)
+    assert lossless_p_value(**CASES[case], mutate_tree=mutate_tree) < P_VALUE
+
+
+def greedy_reference(tokens, parents, target_logits):
+    """Walks down from the root taking the first child equal to the target's argmax."""
+    path, current = [], -1
+    while True:
+        best = int(np.argmax(target_logits[current + 1]))
+        children = [i for i in range(len(tokens)) if parents[i] == current and tokens[i] >= 0]
+        match = [i for i in children if tokens[i] == best]
+        if not match:
+            return path, best
+        path.append(match[0])
+        current = match[0]
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_greedy_follows_argmax(with_draft_probs):
+    b, shape = 512, FAN_OUT
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(-1, V, (b, shape.num_nodes))  # some padding nodes
+    parents = np.broadcast_to(shape.parents, tokens.shape)
+    logits = rng.standard_normal((b, shape.num_nodes + 1, V), np.float32)
+    draft_probs = (
+        rng.dirichlet(np.ones(V), logits.shape[:2]).astype(np.float32) if with_draft_probs else None
+    )
+    verdict = verify(
+        jax.random.key(5), tokens, parents, logits, draft_probs, temperature=0, top_p=0.5
+    )
+    verdict = jax.tree.map(np.asarray, verdict)
+    accepted_somewhere = False
+    for row in range(b):
+        path, next_token = greedy_reference(tokens[row], parents[row], logits[row])
+        n = len(path)
+        accepted_somewhere |= n > 0
+        assert verdict.num_accepted[row] == n
+        np.testing.assert_array_equal(verdict.path[row], path + [-1] * (shape.num_nodes - n))
+        assert verdict.next_token[row] == next_token
+    assert accepted_somewhere
+
+
+def test_padding_nodes_and_their_subtrees_are_never_accepted():
+    """The target puts all its mass on the padded node's token: still never accepted."""
+    b, shape = 4096, FAN_OUT
+    tokens = np.broadcast_to([-1, 1, 2, 3, 3, 3, 3, 3, 3], (b, shape.num_nodes))
+    parents = np.broadcast_to(shape.parents, tokens.shape)
+    logits = np.zeros((b, shape.num_nodes + 1, V), np.float32)
+    logits[:, 0, 0] = logits[:, :, 3] = 5.0
+    for draft_probs in (None, np.full(logits.shape, 1 / V, np.float32)):
+        verdict = verify(jax.random.key(6), tokens, parents, logits, draft_probs)
+        on_path = np.asarray(verdict.path)
+        assert not np.isin(on_path, [0, 3, 4]).any()
+        assert (verdict.num_accepted > 0).any()
+
+
+def test_equal_target_and_draft_accept_everything_and_stay_finite():
+    b, shape = 1024, StaticTree.chain(5)
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((b, 6, V), np.float32)
+    probs = np.asarray(sampling_probs(logits, temperature=0.9, top_p=0.9))
+    tokens = (rng.random((b, 5, 1)) > np.cumsum(probs[:, :5], axis=-1)).sum(-1)  # draws from p
+    parents = np.broadcast_to(shape.parents, tokens.shape)
+    verdict = verify(jax.random.key(7), tokens, parents, logits, probs, temperature=0.9, top_p=0.9)
+    assert (verdict.num_accepted == 5).all()
+    assert ((verdict.next_token >= 0) & (verdict.next_token < V)).all()
+
+
+def test_residual_without_mass_falls_back_to_the_target():
+    p = jnp.array([[0.25, 0.25, 0.5, 0.0]])
+    np.testing.assert_array_equal(verify_module._reject_sampled(p, p, jnp.array([2]))[0], p)
+    point = jnp.array([[0.0, 1.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(verify_module._reject_point_mass(point, jnp.array([1])), point)
+    q = jnp.array([[0.5, 0.25, 0.25, 0.0]])
+    residual, q_after = verify_module._reject_sampled(p, q, jnp.array([0]))
+    np.testing.assert_allclose(residual, [[0.0, 0.0, 1.0, 0.0]])
+    np.testing.assert_array_equal(q_after, q)
+
+
+def test_jit_with_traced_parents_compiles_once_per_shape():
+    b, n = 8, 6
+    tokens = np.zeros((b, n), np.int32)
+    parents = np.broadcast_to(INTERLEAVED.parents, (b, n))
+    run = jax.jit(lambda key, t, par, lg: verify(key, t, par, lg, temperature=0.5, top_p=0.7))
+    before = verify_module._verify._cache_size()
+    for seed in range(3):
+        logits = np.random.default_rng(seed).standard_normal((b, n + 1, V), np.float32)
+        run(jax.random.key(seed), tokens + seed % V, parents, logits)
+        verify(jax.random.key(seed), tokens + seed % V, parents, logits, temperature=0.5, top_p=0.7)
+    assert run._cache_size() == 1
+    assert verify_module._verify._cache_size() - before == 1
+
+
+def _arguments(b=2, n=3, vocab=V):
+    return dict(
+        key=jax.random.key(0),
+        tokens=jnp.zeros((b, n), jnp.int32),
+        parents=jnp.broadcast_to(jnp.arange(-1, n - 1), (b, n)),
+        target_logits=jnp.zeros((b, n + 1, vocab)),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]; pass top_p=1.0"),
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (
+            dict(parents=jnp.array([[-1, 0, 2], [-1, 0, 1]])),
+            "parents[0, 2]=2 must point to an earlier node",
+        ),
+        (dict(parents=jnp.array([[-1, -2, 0], [-1, 0, 1]])), "parents[0, 1]=-2 must point"),
+        (dict(parents=jnp.zeros((2, 4), jnp.int32)), "tokens (2, 3) and parents (2, 4)"),
+        (
+            dict(target_logits=jnp.zeros((2, 3, V))),
+            "target_logits (2, 3, 4) must be [batch, nodes + 1",
+        ),
+        (dict(draft_probs=jnp.zeros((2, 4, V + 1))), "draft_probs (2, 4, 5) must have the shape"),
+        (dict(tokens=jnp.full((2, 3), V)), "a token id 4 is not in the vocabulary of size 4"),
+    ],
+)
+def test_bad_input_is_a_clear_error(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        verify(**{**_arguments(), **change})

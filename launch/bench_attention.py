@@ -1,11 +1,15 @@
-"""Benchmark of jspec.attention: time and memory of the ring for each context-parallel size.
+"""Benchmark of jspec.attention: time and memory of context parallelism, ring vs all-gather.
 
-    python launch/bench_attention.py --device cpu            # 8 virtual CPU devices
-    python launch/bench_attention.py --device gpu --seq 32768
+    python launch/bench_attention.py --device cpu                       # 8 virtual CPU devices
+    python launch/bench_attention.py --device gpu --cp 2 --seq 262144 --heads 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16 --branch-steps 6 --layers 1 4
 
-For each cp it times the forward and the forward+backward of `context_parallel_attention` on
-packed rows (documents of random lengths), optionally with a training-time-test branch step, and
-reads the compiled per-device temporary memory. Prints a table and writes JSON.
+For each method (the zigzag ring; the all-gather baseline, which gathers K/V over the context axis
+and attends with the same local kernel, autodiff saving what it saves), each cp and each stack depth
+it times the forward and the forward+backward on packed rows (documents of random lengths),
+optionally with a training-time-test branch step, and reads the compiled per-device temporary
+memory (peak beyond inputs and outputs). Inputs are already in the ring's layout and split over the
+devices, so only attention is measured. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=None, help="tile size (default: the library's)")
     p.add_argument("--branch-steps", type=int, default=0, help="TTT step of the branch (0: none)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--layers", type=int, nargs="+", default=[1], help="stack depths to measure")
+    p.add_argument(
+        "--methods", nargs="+", choices=("ring", "allgather"), default=["ring", "allgather"]
+    )
+    p.add_argument("--impl", default="auto", help="local kernel: auto | xla | pallas")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--json", default="bench_attention.json")
     return p.parse_args(argv)
@@ -42,8 +51,9 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import PartitionSpec as P
 
-    from jspec.attention import Branch, zigzag_shard
+    from jspec.attention import Branch, attention, zigzag_shard
     from jspec.attention.parallel import place_branch, sharded_ring
 
     devices = jax.devices()
@@ -88,53 +98,106 @@ def main(argv=None):
             normal(b, n, args.kv_heads, args.head_dim),
         )
 
+    kernel = dict(impl=args.impl, block_q=args.block, block_k=args.block)
+
+    def allgather_attention(mesh):
+        """The baseline: every rank gathers all K/V of the row, then attends locally."""
+
+        def local(q, k, v, seg, pos, branch):
+            gather = lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True)  # noqa: E731
+            offset = jax.lax.axis_index("context") * k.shape[1]
+            if branch is not None:
+                anchor = jnp.where(branch.anchor >= 0, branch.anchor + offset, -1)
+                branch = branch._replace(anchor=anchor)
+            out = attention(
+                q,
+                gather(k),
+                gather(v),
+                gather(seg),
+                gather(pos),
+                q_segment_ids=seg,
+                q_positions=pos,
+                branch=branch,
+                **kernel,
+            )
+            return out if branch is not None else (out, None)
+
+        def run(q, k, v, seg, pos, branch):
+            spec = P(None, "context")
+            out_specs = (spec, None if branch is None else spec)
+            return jax.shard_map(
+                local, mesh=mesh, in_specs=(spec,) * 6, out_specs=out_specs, check_vma=False
+            )(q, k, v, seg, pos, branch)
+
+        return run
+
+    def stacked_loss(attend, layers):
+        """`layers` attention calls in a chain (each layer's inputs depend on the last output)."""
+
+        def loss(q, k, v, seg, pos, branch):
+            total = 0.0
+            for _ in range(layers):
+                out, branch_out = attend(q, k, v, seg, pos, branch)
+                total += jnp.sum(out.astype(jnp.float32) ** 2)
+                kv = out.reshape(*k.shape[:3], -1, k.shape[3]).mean(axis=3).astype(k.dtype)
+                q, k, v = q + out, k + kv, v + kv
+                if branch is not None:
+                    total += jnp.sum(branch_out.astype(jnp.float32) ** 2)
+                    branch = branch._replace(q=branch.q + branch_out)
+            return total
+
+        return loss
+
     rows = []
     for cp in cps:
         mesh = jax.make_mesh(
             (cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:cp]
         )
-        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
-        # Inputs in the ring's layout, already split: the benchmark times the ring alone.
+        split = jax.sharding.NamedSharding(mesh, P(None, "context"))
+        # Inputs in the ring's layout, already split: the benchmark times attention alone.
         inputs = [zigzag_shard(x, seg, cp) for x in (q, k, v, seg, pos)]
         if steps:
             inputs.append(place_branch(Branch(bq, bk, bv, anchor, parent, query_nodes), seg, cp)[0])
         else:
             inputs.append(None)
         inputs = jax.device_put(inputs, split)
-        ring = sharded_ring(mesh, "context", block_q=args.block, block_k=args.block)
+        methods = {
+            "ring": sharded_ring(mesh, "context", **kernel),
+            "allgather": allgather_attention(mesh),
+        }
+        for method in args.methods:
+            for layers in args.layers:
+                loss = stacked_loss(methods[method], layers)
 
-        def loss(q, k, v, seg, pos, branch, ring=ring):
-            out = ring(q, k, v, seg, pos, branch)
-            return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in jax.tree.leaves(out))
+                def fwd_bwd(*xs, loss=loss):
+                    grads = jax.grad(loss, argnums=(0, 1, 2, 5), allow_int=True)(*xs)
+                    return [g for g in jax.tree.leaves(grads) if g.dtype != jax.dtypes.float0]
 
-        def fwd_bwd(q, k, v, seg, pos, branch, loss=loss):
-            grads = jax.grad(loss, argnums=(0, 1, 2, 5), allow_int=True)(q, k, v, seg, pos, branch)
-            return [g for g in jax.tree.leaves(grads) if g.dtype != jax.dtypes.float0]
-
-        row = {"cp": cp, "seq": t}
-        for name, fn in (("fwd", loss), ("fwd_bwd", fwd_bwd)):
-            compiled = jax.jit(fn).lower(*inputs).compile()
-            jax.block_until_ready(compiled(*inputs))
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                jax.block_until_ready(compiled(*inputs))
-            row[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
-            row[f"{name}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
-        rows.append(row)
+                row = {"method": method, "cp": cp, "layers": layers, "seq": t}
+                for name, fn in (("fwd", loss), ("fwd_bwd", fwd_bwd)):
+                    compiled = jax.jit(fn).lower(*inputs).compile()
+                    jax.block_until_ready(compiled(*inputs))
+                    start = time.perf_counter()
+                    for _ in range(args.iters):
+                        jax.block_until_ready(compiled(*inputs))
+                    row[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
+                    row[f"{name}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+                rows.append(row)
+                print(row, flush=True)
 
     head = (
-        f"{'cp':>3} {'seq':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd temp MiB':>13} "
-        f"{'fwd+bwd temp MiB':>17}"
+        f"{'method':>9} {'cp':>3} {'layers':>6} {'seq':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} "
+        f"{'fwd temp MiB':>13} {'fwd+bwd temp MiB':>17}"
     )
     print(
-        f"jspec.attention ring, {args.device} ({devices[0].device_kind}), B={b}, "
+        f"jspec.attention context parallelism, {args.device} ({devices[0].device_kind}), B={b}, "
         f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, {args.dtype}, branch step {steps}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['cp']:>3} {r['seq']:>7} {r['fwd_ms']:>9.1f} {r['fwd_bwd_ms']:>11.1f} "
-            f"{r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f}"
+            f"{r['method']:>9} {r['cp']:>3} {r['layers']:>6} {r['seq']:>7} {r['fwd_ms']:>9.1f} "
+            f"{r['fwd_bwd_ms']:>11.1f} {r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f}"
         )
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f, indent=1)

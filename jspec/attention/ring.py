@@ -21,20 +21,50 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, masks
+from jspec.attention import blocks, masks, pallas_gpu
 from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
 BLOCK_K = 512
-IMPLS = ("auto", "xla")
+# The block kernel: "xla" (portable), "pallas" (NVIDIA GPU), "pallas_interpret" (the Pallas kernel
+# in Pallas' interpreter on any backend: slow, for tests); "auto" takes "pallas" where it runs.
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
 class _Static(NamedTuple):
+    kernel: str  # "xla", "pallas" or "pallas_interpret"
     axis_name: str | None
     scale: float
     block_q: int
     block_k: int
     branch_rows: tuple[int, int]  # [start, stop) of the branch queries in the query array
+
+
+def _kernel(st: _Static):
+    """The block forward and backward of the chosen kernel (same signatures)."""
+    if st.kernel == "xla":
+        return blocks.fwd, blocks.bwd
+    interpret = st.kernel == "pallas_interpret"
+    return (
+        functools.partial(pallas_gpu.fwd, interpret=interpret),
+        functools.partial(pallas_gpu.bwd, interpret=interpret),
+    )
+
+
+def _resolve(impl: str, head_dim: int) -> str:
+    if impl == "auto":
+        return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"
+    if impl == "pallas" and not pallas_gpu.available():
+        raise ValueError(
+            "impl='pallas' needs an NVIDIA GPU with Pallas' Triton backend; use impl='auto' or "
+            "'xla' here (or 'pallas_interpret' to run the kernel in the interpreter)."
+        )
+    if impl.startswith("pallas") and not pallas_gpu.supports(head_dim):
+        raise ValueError(
+            f"impl={impl!r} needs a head dim that is a power of two >= 16, got {head_dim}; "
+            "use impl='xla'."
+        )
+    return impl
 
 
 def _ring_size(axis_name):
@@ -58,7 +88,7 @@ def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, 
         # The shift does not depend on this step's compute, so the two overlap. The last shift
         # brings the keys home, unused; a scan (not an unrolled loop) reuses every buffer.
         kv_next = _shift(kv, st.axis_name)
-        o_s, lse_s = blocks.fwd(q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], **tiles)
+        o_s, lse_s = _kernel(st)[0](q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], **tiles)
         o, lse = blocks.merge(o, lse, o_s, lse_s)
         return (o, lse, kv_next), None
 
@@ -97,7 +127,7 @@ def _ring_bwd(st, res, do):
     def step(carry, _):
         dq, kv, dkv = carry
         kv_next = _shift(kv, st.axis_name)
-        dq_s, dk_s, dv_s = blocks.bwd(
+        dq_s, dk_s, dv_s = _kernel(st)[1](
             q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, **tiles
         )
         # After the last shift the accumulators are back on the rank that owns the keys.
@@ -164,10 +194,7 @@ def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, 
     if q is None and branch is None:
         raise ValueError("nothing to attend: q is None and there is no branch.")
     if impl not in IMPLS:
-        raise ValueError(
-            f"impl={impl!r} is not available; choose one of {IMPLS} (a GPU block kernel, "
-            "impl='pallas', is planned in jspec.attention part 2)."
-        )
+        raise ValueError(f"impl={impl!r} is not available; choose one of {IMPLS}.")
     if k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"k and v must both be [B,Tk,Hkv,D]; got k {k.shape}, v {v.shape}.")
     b, tk, hkv, d = k.shape
@@ -264,7 +291,8 @@ def _attend(
     )
     k_all, v_all, k_seg, k_pos = (_pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
-    st = _Static(axis_name, scale, block_q, block_k, (n_trunk, n_rows))
+    kernel = _resolve(impl, k.shape[-1])
+    st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
     bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
     out = _ring(st, q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
     trunk_out = None if q is None else out[:, :n_trunk]

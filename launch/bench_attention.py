@@ -100,6 +100,12 @@ def main(argv=None):
 
     kernel = dict(impl=args.impl, block_q=args.block, block_k=args.block)
 
+    def save(rows):  # after every row, so a run cut short keeps what it measured
+        with open(args.json, "w") as f:
+            json.dump(
+                {"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f, indent=1
+            )
+
     def allgather_attention(mesh):
         """The baseline: every rank gathers all K/V of the row, then attends locally."""
 
@@ -184,6 +190,7 @@ def main(argv=None):
                     row[f"{name}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
                 rows.append(row)
                 print(row, flush=True)
+                save(rows)
 
     head = (
         f"{'method':>9} {'cp':>3} {'layers':>6} {'seq':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} "
@@ -199,8 +206,6 @@ def main(argv=None):
             f"{r['method']:>9} {r['cp']:>3} {r['layers']:>6} {r['seq']:>7} {r['fwd_ms']:>9.1f} "
             f"{r['fwd_bwd_ms']:>11.1f} {r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f}"
         )
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
 
 

@@ -9,7 +9,9 @@ and attends with the same local kernel, autodiff saving what it saves), each cp 
 it times the forward and the forward+backward on packed rows (documents of random lengths),
 optionally with a training-time-test branch step, and reads the compiled per-device temporary
 memory (peak beyond inputs and outputs). Inputs are already in the ring's layout and split over the
-devices, so only attention is measured. Prints a table and writes JSON.
+devices, so only attention is measured. TFLOP/s count visible pairs only (backward = 2.5 forwards).
+Ring efficiency: the per-GPU rate at cp over the rate at cp=1 with seq/cp tokens (a second run).
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ def main(argv=None):
             seg[row, start : start + length] = doc
             pos[row, start : start + length] = np.arange(length)
             start, doc = start + length, doc + 1
+    # Visible (query, key) pairs: every trunk token sees its document up to itself; a branch
+    # query at step s sees the same trunk keys as its anchor, plus its s nodes.
+    pairs = int(((pos + 1) * (seg > 0)).sum()) * (2 if args.branch_steps else 1)
+    pairs += b * t * args.branch_steps
+    flops_fwd = 4 * pairs * args.heads * args.head_dim  # per layer
     seg, pos = jnp.asarray(seg), jnp.asarray(pos)
 
     def normal(*shape):
@@ -187,6 +194,8 @@ def main(argv=None):
                     for _ in range(args.iters):
                         jax.block_until_ready(compiled(*inputs))
                     row[f"{name}_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
+                    flops = flops_fwd * layers * (1 if name == "fwd" else 3.5)  # bwd = 2.5 fwd
+                    row[f"{name}_tflops_per_gpu"] = flops / cp / (row[f"{name}_ms"] * 1e9)
                     row[f"{name}_temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
                 rows.append(row)
                 print(row, flush=True)
@@ -194,7 +203,7 @@ def main(argv=None):
 
     head = (
         f"{'method':>9} {'cp':>3} {'layers':>6} {'seq':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} "
-        f"{'fwd temp MiB':>13} {'fwd+bwd temp MiB':>17}"
+        f"{'fwd temp MiB':>13} {'fwd+bwd temp MiB':>17} {'TFLOP/s/GPU fwd+bwd':>20}"
     )
     print(
         f"jspec.attention context parallelism, {args.device} ({devices[0].device_kind}), B={b}, "
@@ -204,7 +213,8 @@ def main(argv=None):
     for r in rows:
         print(
             f"{r['method']:>9} {r['cp']:>3} {r['layers']:>6} {r['seq']:>7} {r['fwd_ms']:>9.1f} "
-            f"{r['fwd_bwd_ms']:>11.1f} {r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f}"
+            f"{r['fwd_bwd_ms']:>11.1f} {r['fwd_temp_mib']:>13.1f} {r['fwd_bwd_temp_mib']:>17.1f} "
+            f"{r['fwd_bwd_tflops_per_gpu']:>20.1f}"
         )
     print(f"wrote {args.json}")
 

@@ -111,6 +111,7 @@ def test_cross_attention_keys_out_of_order():
 def small_tiles(monkeypatch):
     """The library calls the kernel with its default tiles: make them small here."""
     monkeypatch.setattr(pallas_gpu, "TILES", TILES)
+    monkeypatch.setattr(pallas_gpu, "TILES_F32", TILES)
 
 
 def test_attention_grads_match_reference(case, small_tiles):

@@ -1,11 +1,11 @@
 """One device's share of the work: queries against one set of keys, tile by tile, in XLA.
 
-`fwd` returns the output and the log-sum-exp (float32) of the queries against the keys it was given,
-so that partial results from several key sets (ring steps, the branch) merge exactly (`merge`).
+`fwd` continues a running result (output and log-sum-exp, float32) with the keys it is given, so
+several key sets (ring steps, the branch) accumulate in one buffer, exactly as if they were one.
 `bwd` is given the *global* log-sum-exp and `delta = sum(dout * out)`, so each key set's gradient
-is computed on its own. Tile pairs whose segment and position ranges show that no query can see any
-key are skipped (`may_see`); the others are masked exactly by `masks.visible`. No score tile larger
-than block_q x block_k exists at any time.
+is computed on its own; dq accumulates in the buffer it is given. Tile pairs whose segment and
+position ranges show that no query can see any key are skipped (`may_see`); the others are masked
+exactly by `masks.visible`. No score tile larger than block_q x block_k exists at any time.
 
 The branch-to-branch part (`branch_fwd` / `branch_bwd`) walks each query's ancestors through
 `parent`, one generation per step, so its cost is the number of queries times the tree depth.
@@ -51,15 +51,6 @@ def may_see(q: TileRanges, k: TileRanges) -> Array:
     return (q.seg_lo <= k.seg_hi) & (k.seg_lo <= q.seg_hi) & (k.pos_lo <= q.pos_hi)
 
 
-def merge(o1, lse1, o2, lse2):
-    """Exact merge of two partial attentions over disjoint key sets (float32)."""
-    lse = jnp.logaddexp(lse1, lse2)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w1 = jnp.exp(lse1 - safe)[..., None]
-    w2 = jnp.exp(lse2 - safe)[..., None]
-    return o1 * w1 + o2 * w2, lse
-
-
 def _tiles(x, block):
     """[B, T, ...] -> [T // block, B, block, ...]."""
     b, t = x.shape[:2]
@@ -98,20 +89,24 @@ def fwd(
     q_pos: Int[Array, "b tq"],
     k_seg: Int[Array, "b tk"],
     k_pos: Int[Array, "b tk"],
+    acc: tuple[Float[Array, "b tq hq d"], Float[Array, "b tq hq"]] | None = None,
     *,
     scale: float,
     block_q: int,
     block_k: int,
 ) -> tuple[Float[Array, "b tq hq d"], Float[Array, "b tq hq"]]:
-    """Output (float32, normalised) and log-sum-exp of q against k, v. Tq, Tk divide the blocks."""
+    """Output (float32, normalised) and log-sum-exp of q against k, v and whatever `acc` = (o,
+    lse) already holds (None: nothing; lse -inf: nothing yet for that query). Tq, Tk divide the
+    blocks."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
-    g = hq // hkv
+    if acc is None:
+        acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
     kr = tile_ranges(k_seg, k_pos, block_k)
     k_xs = (_tiles(k, block_k), _tiles(v, block_k), _tiles(k_seg, block_k), _tiles(k_pos, block_k))
 
     def one_q_tile(q_args):
-        q_i, qseg, qpos, qr = q_args
+        q_i, qseg, qpos, qr, o_i, lse_i = q_args
 
         def step(carry, k_args):
             k_j, v_j, kseg, kpos, kr_j = k_args
@@ -134,11 +129,9 @@ def fwd(
             carry = jax.lax.cond(may_see(qr, kr_j), attend, lambda c: c, carry)
             return carry, None
 
-        init = (
-            jnp.full((b, hkv, g, block_q), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hkv, g, block_q), jnp.float32),
-            jnp.zeros((b, hkv, g, block_q, d), jnp.float32),
-        )
+        # The running (o, lse) as online-softmax state: m = lse, l = 1 (0 if empty), acc = o.
+        lse_t = jnp.moveaxis(lse_i, 1, 3)  # [B, Hkv, G, bq]
+        init = (lse_t, jnp.isfinite(lse_t).astype(jnp.float32), jnp.moveaxis(o_i, 1, 3))
         (m, l, acc), _ = jax.lax.scan(step, init, (*k_xs, kr))
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -148,7 +141,14 @@ def fwd(
         return o, lse
 
     qr = tile_ranges(q_seg, q_pos, block_q)
-    q_xs = (_tiles(_grouped(q, hkv), block_q), _tiles(q_seg, block_q), _tiles(q_pos, block_q), qr)
+    q_xs = (
+        _tiles(_grouped(q, hkv), block_q),
+        _tiles(q_seg, block_q),
+        _tiles(q_pos, block_q),
+        qr,
+        _tiles(_grouped(acc[0], hkv), block_q),
+        _tiles(_grouped_heads(acc[1], hkv), block_q),
+    )
     o, lse = jax.lax.map(one_q_tile, q_xs)
     return _untiles(o), _untiles(lse)
 
@@ -164,12 +164,14 @@ def bwd(
     lse: Float[Array, "b tq hq"],
     dout: Float[Array, "b tq hq d"],
     delta: Float[Array, "b tq hq"],
+    dq: Float[Array, "b tq hq d"] | None = None,
     *,
     scale: float,
     block_q: int,
     block_k: int,
 ):
-    """Gradients (float32) of q, k, v for this key set, given the global lse and delta."""
+    """Gradients (float32) of q, k, v for this key set, given the global lse and delta; dq is
+    added to the `dq` given (None: zeros)."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -232,7 +234,8 @@ def bwd(
         _tiles(k_pos, block_k),
         kr,
     )
-    dq0 = jnp.zeros((tq // block_q, b, block_q, hkv, g, d), jnp.float32)
+    dq0 = jnp.zeros(q.shape, jnp.float32) if dq is None else dq
+    dq0 = _tiles(_grouped(dq0, hkv), block_q)
     dq, (dk, dv) = jax.lax.scan(one_k_tile, dq0, k_xs)
     return _untiles(dq).reshape(b, tq, hq, d), _untiles(dk), _untiles(dv)
 

@@ -66,6 +66,14 @@ class Tiles(NamedTuple):
 
 
 TILES = Tiles()
+# float32 tiles are twice the bytes: smaller tiles and shallower pipelines keep them within the
+# H200's 227 KiB of shared memory per block (the bf16 defaults ask for 386 KiB in float32).
+TILES_F32 = Tiles(fwd=Tile(64, 64, 4, 2), dkdv=Tile(32, 64, 4, 2), dq=Tile(64, 32, 4, 2))
+
+
+def default_tiles(dtype) -> Tiles:
+    """The tiles the library uses for inputs of this dtype."""
+    return TILES if jnp.dtype(dtype).itemsize <= 2 else TILES_F32
 
 
 def available() -> bool:
@@ -180,8 +188,8 @@ def _params(tile: Tile):
 # Kernels. Scores are kept in base 2: s2 = q.k * scale * log2(e), exp2 instead of exp.
 
 
-def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, o_ref,
-                lse_ref, *, scale, bk):  # fmt: skip
+def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, o0_ref,
+                lse0_ref, o_ref, lse_ref, *, scale, bk):  # fmt: skip
     q = q_ref[...]
     bq, d = q.shape
     qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
@@ -203,11 +211,9 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return m_new, l * corr + p.sum(axis=-1), acc
 
-    init = (
-        jnp.full((bq,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-        jnp.zeros((bq, d), jnp.float32),
-    )
+    # Continue the running (o, lse) (aliased to the outputs): m = lse, l = 1 (0 if empty), acc = o.
+    lse0 = lse0_ref[...]
+    init = (lse0 * _LOG2E, jnp.where(lse0 == -jnp.inf, 0.0, 1.0), o0_ref[...])
     m, l, acc = _visit(plan_ref, body, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -246,7 +252,7 @@ def _dkdv_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kp
 
 
 def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, lse_ref,
-               do_ref, delta_ref, dq_ref, *, scale, bk):  # fmt: skip
+               do_ref, delta_ref, dq0_ref, dq_ref, *, scale, bk):  # fmt: skip
     q = q_ref[...]
     do = do_ref[...].astype(q.dtype)
     bq, d = q.shape
@@ -263,7 +269,8 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
         ds = p * (_dot(do, v_ref[rows, :], trans_b=True) - delta)
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq_ref[...] = _visit(plan_ref, body, jnp.zeros((bq, d), jnp.float32)) * scale
+    # Added to the running dq (aliased to the output).
+    dq_ref[...] = dq0_ref[...] + _visit(plan_ref, body, jnp.zeros((bq, d), jnp.float32)) * scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,13 +300,14 @@ def _check(q, k, tiles: Tiles):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, *, scale, tiles, interpret):
+def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpret):
     b, tq0, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     tile = tiles.fwd
     tq, tk = _round_up(tq0, tile.q), _round_up(k.shape[1], tile.k)
-    q, q_seg, q_pos = (_pad(x, tq) for x in (q, q_seg, q_pos))
+    q, q_seg, q_pos, o0 = (_pad(x, tq) for x in (q, q_seg, q_pos, o0))
+    lse0 = jnp.swapaxes(_pad(lse0, tq), 1, 2)
     k, v, k_seg, k_pos = (_pad(x, tk) for x in (k, v, k_seg, k_pos))
     plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=False)
     nq = tq // tile.q
@@ -311,6 +319,8 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, *, scale, tiles, interpret):
     kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
     qtok = pl.BlockSpec((_SQ, tile.q), lambda i, r, h: (r, tile_i(i)))
     ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
+    o_spec = pl.BlockSpec((_SQ, tile.q, _SQ, d), lambda i, r, h: (r, tile_i(i), h, 0))
+    lse_spec = pl.BlockSpec((_SQ, _SQ, tile.q), lambda i, r, h: (r, h, tile_i(i)))
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, bk=tile.k),
         grid=(nq, b, hq),
@@ -323,11 +333,11 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, *, scale, tiles, interpret):
             qtok,
             ktok,
             ktok,
+            o_spec,
+            lse_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((_SQ, tile.q, _SQ, d), lambda i, r, h: (r, tile_i(i), h, 0)),
-            pl.BlockSpec((_SQ, _SQ, tile.q), lambda i, r, h: (r, h, tile_i(i))),
-        ],
+        out_specs=[o_spec, lse_spec],
+        input_output_aliases={8: 0, 9: 1},
         out_shape=[
             jax.ShapeDtypeStruct((b, tq, hq, d), jnp.float32),
             jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),
@@ -335,18 +345,18 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, *, scale, tiles, interpret):
         compiler_params=_params(tile),
         interpret=interpret,
         name="jspec_attention_fwd",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos)
+    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0)
     return o[:, :tq0], jnp.swapaxes(lse, 1, 2)[:, :tq0]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, *, scale, tiles, interpret):
+def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, tiles, interpret):
     b, tq0, hq, d = q.shape
     tk0, hkv = k.shape[1:3]
     g = hq // hkv
     tq = _round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
     tk = _round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
-    q, dout, q_seg, q_pos = (_pad(x, tq) for x in (q, dout, q_seg, q_pos))
+    q, dout, q_seg, q_pos, dq0 = (_pad(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
     k, v, k_seg, k_pos = (_pad(x, tk) for x in (k, v, k_seg, k_pos))
     # Heads first for the per-row statistics: a query tile's values are contiguous.
     lse, delta = (jnp.swapaxes(_pad(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta))
@@ -406,13 +416,15 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, *, scale, tiles,
             stat,
             q_spec,
             stat,
+            q_spec,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, tq, hq, d), jnp.float32),
+        input_output_aliases={11: 0},
         compiler_params=_params(t),
         interpret=interpret,
         name="jspec_attention_dq",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
+    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
     return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
 
 
@@ -428,6 +440,7 @@ def fwd(
     q_pos: Int[Array, "b tq"],
     k_seg: Int[Array, "b tk"],
     k_pos: Int[Array, "b tk"],
+    acc: tuple[Float[Array, "b tq hq d"], Float[Array, "b tq hq"]] | None = None,
     *,
     scale: float,
     block_q: int | None = None,
@@ -435,19 +448,24 @@ def fwd(
     tiles: Tiles | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "b tq hq d"], Float[Array, "b tq hq"]]:
-    """`blocks.fwd` on the GPU: output (float32, normalised) and log-sum-exp of q against k, v.
+    """`blocks.fwd` on the GPU: the running output (float32, normalised) and log-sum-exp `acc`
+    continued with k, v, in place (the kernel's outputs alias `acc`).
 
     block_q / block_k are accepted for `blocks`' signature and unused (the kernel tiles by
-    `tiles`, default `TILES`). interpret=True runs the kernel in Pallas' interpreter (any backend).
+    `tiles`, default `default_tiles(k.dtype)`). interpret=True runs the kernel in Pallas'
+    interpreter (any backend).
     """
     del block_q, block_k
-    tiles = tiles or TILES
+    tiles = tiles or default_tiles(k.dtype)
     _check(q, k, tiles)
     v = v.astype(k.dtype)
     q = q.astype(k.dtype)
+    if acc is None:
+        acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
     return _fwd(
-        q, k, v, q_seg, q_pos, k_seg, k_pos, scale=float(scale), tiles=tiles, interpret=interpret
-    )
+        q, k, v, q_seg, q_pos, k_seg, k_pos, *acc, scale=float(scale), tiles=tiles,
+        interpret=interpret,
+    )  # fmt: skip
 
 
 def bwd(
@@ -461,6 +479,7 @@ def bwd(
     lse: Float[Array, "b tq hq"],
     dout: Float[Array, "b tq hq d"],
     delta: Float[Array, "b tq hq"],
+    dq: Float[Array, "b tq hq d"] | None = None,
     *,
     scale: float,
     block_q: int | None = None,
@@ -468,12 +487,15 @@ def bwd(
     tiles: Tiles | None = None,
     interpret: bool = False,
 ):
-    """`blocks.bwd` on the GPU: float32 (dq, dk, dv) for this key set, given global lse, delta."""
+    """`blocks.bwd` on the GPU: float32 (dq, dk, dv) for this key set, given global lse, delta;
+    dq is added to the `dq` given, in place."""
     del block_q, block_k
-    tiles = tiles or TILES
+    tiles = tiles or default_tiles(k.dtype)
     _check(q, k, tiles)
     q = q.astype(k.dtype)
     v = v.astype(k.dtype)
+    if dq is None:
+        dq = jnp.zeros(q.shape, jnp.float32)
     return _bwd(
         q,
         k,
@@ -485,6 +507,7 @@ def bwd(
         lse,
         dout,
         delta,
+        dq,
         scale=float(scale),
         tiles=tiles,
         interpret=interpret,

@@ -1,11 +1,11 @@
 """Attention over trunk keys that travel a ring of devices, plus local branch keys; one custom_vjp.
 
 Each rank holds its queries (trunk queries, then branch queries, as one array), its trunk K/V and
-its branch K/V. The trunk K/V visit every rank by `ppermute` over the context axis; at each step the
-rank attends its queries to the visiting keys (`blocks.fwd`, hidden tiles skipped) and merges the
-partial result by log-sum-exp. Branch K/V never leave the rank: the branch queries see them by the
-ancestor walk, merged the same way. On one device (no axis) the ring has one step: that is
-`attention`.
+its branch K/V. Branch K/V never leave the rank: the branch queries see them first, by the ancestor
+walk. Then the trunk K/V visit every rank by `ppermute` over the context axis, and at each step the
+block kernel continues the rank's running output and log-sum-exp with the visiting keys (hidden
+tiles skipped): the exact log-sum-exp merge happens inside the kernel, in place, in float32. On one
+device (no axis) the ring has one step: that is `attention`.
 
 The backward runs the ring again: K/V travel with their gradient accumulators (float32), which are
 back home after the last shift; each block's backward is given the global lse, so nothing but the
@@ -26,6 +26,7 @@ from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
 BLOCK_K = 512
+PALLAS_PAD = 128  # a multiple of every Pallas tile, so the kernel never pads per ring step
 # The block kernel: "xla" (portable), "pallas" (NVIDIA GPU), "pallas_interpret" (the Pallas kernel
 # in Pallas' interpreter on any backend: slow, for tests); "auto" takes "pallas" where it runs.
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -80,30 +81,34 @@ def _shift(xs, axis_name):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), xs)
 
 
+def _with_rows(x, rows: slice, y):
+    """x with rows [start, stop) of axis 1 replaced by y (by concatenation: an in-place update
+    covering the whole array crashed XLA's CPU compiler in jax 0.11.2 inside shard_map)."""
+    return jnp.concatenate([x[:, : rows.start], y, x[:, rows.stop :]], axis=1)
+
+
 def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
+    """(o, lse) in float32. One accumulator, filled first by the local branch-to-branch part,
+    then by every ring step in place: no partial result is ever held beside it."""
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
-
-    def step(carry, _):
-        o, lse, kv = carry
-        # The shift does not depend on this step's compute, so the two overlap. The last shift
-        # brings the keys home, unused; a scan (not an unrolled loop) reuses every buffer.
-        kv_next = _shift(kv, st.axis_name)
-        o_s, lse_s = _kernel(st)[0](q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], **tiles)
-        o, lse = blocks.merge(o, lse, o_s, lse_s)
-        return (o, lse, kv_next), None
-
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.full(q.shape[:3], -jnp.inf, jnp.float32),
-        (k, v, k_seg, k_pos),
-    )
-    (o, lse, _), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
+    o = jnp.zeros(q.shape, jnp.float32)
+    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     if bk is not None:
         rows = slice(*st.branch_rows)
         ob, lseb = blocks.branch_fwd(q[:, rows], bk, bv, b_nodes, b_parent, scale=st.scale)
-        ob, lseb = blocks.merge(o[:, rows], lse[:, rows], ob, lseb)
-        o = o.at[:, rows].set(ob)
-        lse = lse.at[:, rows].set(lseb)
+        o, lse = _with_rows(o, rows, ob), _with_rows(lse, rows, lseb)
+
+    def step(carry, _):
+        acc, kv = carry
+        # The shift does not depend on this step's compute, so the two overlap. The last shift
+        # brings the keys home, unused; a scan (not an unrolled loop) reuses every buffer.
+        kv_next = _shift(kv, st.axis_name)
+        acc = _kernel(st)[0](q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], acc, **tiles)
+        return (acc, kv_next), None
+
+    ((o, lse), _), _ = jax.lax.scan(
+        step, ((o, lse), (k, v, k_seg, k_pos)), length=_ring_size(st.axis_name)
+    )
     return o, lse
 
 
@@ -124,38 +129,29 @@ def _ring_bwd(st, res, do):
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 
-    def step(carry, _):
-        dq, kv, dkv = carry
-        kv_next = _shift(kv, st.axis_name)
-        dq_s, dk_s, dv_s = _kernel(st)[1](
-            q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, **tiles
-        )
-        # After the last shift the accumulators are back on the rank that owns the keys.
-        dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
-        return (dq + dq_s, kv_next, dkv), None
-
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        (k, v, k_seg, k_pos),
-        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
-    )
-    (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
+    dq = jnp.zeros(q.shape, jnp.float32)
     dbk = dbv = None
     if bk is not None:
         rows = slice(*st.branch_rows)
         dqb, dbk, dbv = blocks.branch_bwd(
-            q[:, rows],
-            bk,
-            bv,
-            b_nodes,
-            b_parent,
-            lse[:, rows],
-            do[:, rows],
-            delta[:, rows],
+            q[:, rows], bk, bv, b_nodes, b_parent, lse[:, rows], do[:, rows], delta[:, rows],
             scale=st.scale,
-        )
-        dq = dq.at[:, rows].add(dqb)
+        )  # fmt: skip
+        dq = _with_rows(dq, rows, dqb)
         dbk, dbv = dbk.astype(bk.dtype), dbv.astype(bv.dtype)
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        kv_next = _shift(kv, st.axis_name)
+        dq, dk_s, dv_s = _kernel(st)[1](
+            q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, dq, **tiles
+        )
+        # After the last shift the accumulators are back on the rank that owns the keys.
+        dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
+        return (dq, kv_next, dkv), None
+
+    init = (dq, (k, v, k_seg, k_pos), (jnp.zeros(k.shape, jnp.float32),) * 2)
+    (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
     return (
         dq.astype(q.dtype),
         None,
@@ -282,8 +278,12 @@ def _attend(
     n_trunk = 0 if q is None else q.shape[1]
     n_rows = sum(p[0].shape[1] for p in parts)
 
-    block_q = min(block_q or BLOCK_Q, _round_up(n_rows, 8))
-    block_k = min(block_k or BLOCK_K, _round_up(k.shape[1], 8))
+    kernel = _resolve(impl, k.shape[-1])
+    if kernel == "xla":
+        block_q = min(block_q or BLOCK_Q, _round_up(n_rows, 8))
+        block_k = min(block_k or BLOCK_K, _round_up(k.shape[1], 8))
+    else:  # the kernel tiles by its own sizes; pad to a multiple of them here, once
+        block_q = block_k = PALLAS_PAD
     rows = _round_up(n_rows, block_q)
     keys = _round_up(k.shape[1], block_k)
     q_all, q_seg, q_pos = (
@@ -291,7 +291,6 @@ def _attend(
     )
     k_all, v_all, k_seg, k_pos = (_pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
-    kernel = _resolve(impl, k.shape[-1])
     st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
     bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
     out = _ring(st, q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)

@@ -126,35 +126,42 @@ def context_parallel_attention(
 
 
 @functools.lru_cache(maxsize=64)
-def sharded_ring(mesh: Mesh, axis: str, scale=None, impl="auto", block_q=None, block_k=None):
+def sharded_ring(
+    mesh: Mesh,
+    axis: str,
+    scale=None,
+    impl="auto",
+    block_q=None,
+    block_k=None,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+):
     """`ring_attention` under `shard_map` over `axis`: f(q, k, v, seg, pos, branch) -> (out, b_out).
 
     Takes global arrays already in the zigzag layout (`zigzag_shard`, `place_branch`), row axis
-    split over `axis`; returns the outputs in the same layout (None where q or branch is None).
+    split over `axis` (and batch over `batch_axis`, heads over `head_axis`, if given); returns the
+    outputs in the same layout (None where q or branch is None).
     """
-    spec = PartitionSpec(None, axis)
+    rows = PartitionSpec(batch_axis, axis)
+    heads = PartitionSpec(batch_axis, axis, head_axis)
+
+    def spec(x):  # [B, T, H, D] arrays split their heads too; [B, T] ones do not
+        return heads if x.ndim == 4 else rows
 
     def local(q, k, v, seg, pos, branch):
         out = ring_attention(
-            q,
-            k,
-            v,
-            seg,
-            pos,
-            axis_name=axis,
-            branch=branch,
-            scale=scale,
-            impl=impl,
-            block_q=block_q,
-            block_k=block_k,
-        )
+            q, k, v, seg, pos, axis_name=axis, branch=branch, scale=scale, impl=impl,
+            block_q=block_q, block_k=block_k,
+        )  # fmt: skip
         return out if branch is not None else (out, None)
 
     def ring(q, k, v, seg, pos, branch):
-        out_specs = (None if q is None else spec, None if branch is None else spec)
+        args = (q, k, v, seg, pos, branch)
+        out_specs = (None if q is None else heads, None if branch is None else heads)
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(spec,) * 6, out_specs=out_specs, check_vma=False
-        )(q, k, v, seg, pos, branch)
+            local, mesh=mesh, in_specs=jax.tree.map(spec, args), out_specs=out_specs,
+            check_vma=False,
+        )(*args)  # fmt: skip
 
     return ring
 

@@ -3,7 +3,8 @@
 One layer body (`Block.__call__`) serves every use; what differs is how it is driven:
 
 - training (`Transformer.__call__`): packed rows, layers scanned (`jax.lax.scan`) under the remat
-  policy of `ModelConfig.remat`;
+  policy of `ModelConfig.remat`; with a context axis in the mesh, rows run in the zigzag order of
+  the ring and attention is `jspec.attention`'s ring (documents padded to 2 * cp);
 - rollout (`prefill`, `decode`, `branch_forward`): layers stepped through in a Python loop that
   indexes the stacked weights, because a scanned stack streams weights 1.7-2.5x slower in decode
   (GPU.md).
@@ -30,7 +31,9 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jspec import mesh as mesh_lib
-from jspec.attention import Branch, attention
+from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
+from jspec.attention.parallel import sharded_ring
+from jspec.attention.zigzag import check_alignment
 from jspec.config import ConfigError, ModelConfig
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
@@ -261,10 +264,27 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
+        natural_seg, cp = segment_ids, self._context_size()
+        if cp > 1:
+            # The whole forward runs in the ring's zigzag row order: only attention cares about
+            # token order, so the rows are permuted once here and once at the output.
+            check_alignment(segment_ids, cp)
+            tokens, segment_ids, positions = (
+                zigzag_shard(x, natural_seg, cp) for x in (tokens, segment_ids, positions)
+            )
+            ring = sharded_ring(
+                self.mesh, mesh_lib.RULES["seq"], batch_axis=mesh_lib.RULES["batch"],
+                head_axis=mesh_lib.RULES["act_heads"],
+            )  # fmt: skip
+            attend = lambda q, k, v: ring(q, k, v, segment_ids, positions, None)[0]
+        else:
+            attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
         x_BTD = self._embed(tokens, TRAIN_ACT)
         x_BTD, taps_ = self._scan(x_BTD, rope_angles(self.config, positions), attend, taps)
         logits = self._logits(x_BTD, TRAIN_ACT)
+        if cp > 1:
+            logits = zigzag_unshard(logits, natural_seg, cp)
+            taps_ = [zigzag_unshard(x, natural_seg, cp) for x in taps_]
         return (logits, jnp.stack(taps_)) if taps else logits
 
     # -- rollout -------------------------------------------------------------------------------
@@ -355,6 +375,11 @@ class Transformer(nnx.Module):
         return (logits, k, v, jnp.stack(taps_)) if taps else (logits, k, v)
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _context_size(self) -> int:
+        """Ranks of the ring axis (1: no context parallelism)."""
+        axis = mesh_lib.RULES["seq"]
+        return 1 if self.mesh is None or axis is None else self.mesh.shape[axis]
 
     def _constrain(self, x, names):
         return mesh_lib.constrain(x, self.mesh, names)

@@ -212,16 +212,22 @@ def reference(model):
     return jax.jit(jax.value_and_grad(loss_fn(graphdef)))(state, *BATCH)
 
 
-@pytest.mark.parametrize("shape", [dict(data=2, tensor=4), dict(data=8)])
-def test_sharded_train_forward_matches_one_device(model, reference, shape):
-    mesh = make_mesh(MeshConfig(**shape))
+def assert_sharded_matches(model, mesh, batch, want):
+    """Loss and gradients with parameters and rows placed on `mesh` equal `want` (one device)."""
     state = nnx.state(model)
     state = jax.device_put(state, param_shardings(state, mesh))
     rows = sharding(mesh, ("batch", None))
     step = jax.jit(jax.value_and_grad(loss_fn(graphdef_for(CONFIG, mesh))))
-    loss, grad = step(state, *(jax.device_put(x, rows) for x in BATCH))
-    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
-    jax.tree.map(lambda g, w: close(g, w, 1e-4), grad, reference[1])
+    loss, grad = step(state, *(jax.device_put(x, rows) for x in batch))
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    jax.tree.map(lambda g, w: close(g, w, 1e-4), grad, want[1])
+    return grad
+
+
+@pytest.mark.parametrize("shape", [dict(data=2, tensor=4), dict(data=8)])
+def test_sharded_train_forward_matches_one_device(model, reference, shape):
+    mesh = make_mesh(MeshConfig(**shape))
+    grad = assert_sharded_matches(model, mesh, BATCH, reference)
     w_up = grad["layers"]["w_up"][...]
     assert w_up.sharding.is_equivalent_to(sharding(mesh, ("layers", "embed", "mlp")), 3)
 
@@ -239,13 +245,7 @@ def test_context_parallel_train_forward_matches_one_device(model):
     batch = (tok, seg.astype(np.int32), pos)
     graphdef, state = nnx.split(model)
     want = jax.jit(jax.value_and_grad(loss_fn(graphdef)))(state, *batch)
-    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
-    state = jax.device_put(state, param_shardings(state, mesh))
-    rows = sharding(mesh, ("batch", None))
-    step = jax.jit(jax.value_and_grad(loss_fn(graphdef_for(CONFIG, mesh))))
-    loss, grad = step(state, *(jax.device_put(x, rows) for x in batch))
-    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
-    jax.tree.map(lambda g, w: close(g, w, 1e-4), grad, want[1])
+    assert_sharded_matches(model, make_mesh(MeshConfig(data=2, context=2, tensor=2)), batch, want)
 
 
 def test_remat_dots_agrees_with_full(model, reference):

@@ -50,7 +50,9 @@ def place_branch(branch: Branch, segment_ids: Int[Array, "b t"], cp: int):
     """Moves nodes and queries to the rank of their anchor, into a fixed number of slots per rank.
 
     Returns the branch in the sharded layout (rank-major slots, rank-local indices) and the slot of
-    each natural-order query, to read the outputs back.
+    each natural-order query, to read the outputs back. Slots per rank: the exact maximum for
+    concrete anchors, all N nodes under `jit` (the worst case: a tree anchored on one rank). A
+    caller that already holds its branch per rank (draft co-training) uses `ring_attention`.
     """
     t = segment_ids.shape[1]
     dest = zigzag.zigzag_destination(segment_ids, t, cp)

@@ -250,6 +250,18 @@ def test_misaligned_document_is_named():
         context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
 
 
+def test_misaligned_document_under_jit_gives_nan_not_a_wrong_answer():
+    seg = jnp.asarray([[1] * 8 + [2] * 6 + [0] * 2])
+    pos = jnp.asarray([list(range(8)) + list(range(6)) + [0, 0]])
+    k = jnp.ones((1, 16, HKV, D))
+    run = jax.jit(
+        lambda k, seg, pos: context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
+    )
+    assert jnp.all(jnp.isnan(run(k, seg, pos)))
+    with pytest.raises(ValueError, match=r"sequence length 18 is not a multiple of 2 \* cp = 4"):
+        run(jnp.ones((1, 18, HKV, D)), jnp.ones((1, 18), jnp.int32), jnp.zeros((1, 18), jnp.int32))
+
+
 def test_bad_shapes_and_impl_are_named():
     k = jnp.zeros((1, 16, HKV, D))
     seg = jnp.ones((1, 16), jnp.int32)

@@ -248,6 +248,17 @@ def test_context_parallel_train_forward_matches_one_device(model):
     assert_sharded_matches(model, make_mesh(MeshConfig(data=2, context=2, tensor=2)), batch, want)
 
 
+def test_context_parallel_misaligned_document_gives_nan(model):
+    """Under jit the ids are abstract: a document not a multiple of 2 * cp poisons the logits."""
+    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
+    seg = np.asarray([[1] * 6 + [2] * 10] * 2, np.int32)  # 6 is not a multiple of 4
+    pos = np.asarray([list(range(6)) + list(range(10))] * 2, np.int32)
+    tok = np.zeros((2, PAD), np.int32)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, *x: nnx.merge(graphdef_for(CONFIG, mesh), s)(*x))
+    assert jnp.all(jnp.isnan(forward(state, tok, seg, pos)))
+
+
 def test_remat_dots_agrees_with_full(model, reference):
     graphdef = graphdef_for(dataclasses.replace(CONFIG, remat="dots"))
     loss, grad = jax.jit(jax.value_and_grad(loss_fn(graphdef)))(nnx.state(model), *BATCH)

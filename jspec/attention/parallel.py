@@ -113,7 +113,8 @@ def context_parallel_attention(
     """Self-attention (plus branch) of natural-order rows, context-parallel over `mesh[axis]`.
 
     Every index (anchor, parent, query_nodes) is a natural-order index of the row; every document
-    must be padded to a multiple of 2 * cp. Same results as `attention`, wherever inputs live.
+    must be padded to a multiple of 2 * cp (a clear error for concrete ids; under `jit` the
+    outputs are NaN instead). Same results as `attention`, wherever inputs live.
     """
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
@@ -187,9 +188,10 @@ def _run(ring, mesh, axis, q, k, v, seg, pos, branch, query_slot):
 
     branch = jax.tree.map(lambda x: put(x, split), branch)
     out, branch_out = ring(shard(q), shard(k), shard(v), shard(seg), shard(pos), branch)
+    poison = lambda x: jnp.where(zigzag.misaligned(seg, cp), jnp.nan, x)  # noqa: E731
     if out is not None:
-        out = zigzag.zigzag_unshard(put(out, whole), seg, cp)
+        out = poison(zigzag.zigzag_unshard(put(out, whole), seg, cp))
     if branch_out is not None:
         rows = jnp.arange(branch_out.shape[0])[:, None]
-        branch_out = put(branch_out, whole)[rows, query_slot]
+        branch_out = poison(put(branch_out, whole)[rows, query_slot])
     return out, branch_out

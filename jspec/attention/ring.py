@@ -100,8 +100,9 @@ def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, 
 
     def step(carry, _):
         acc, kv = carry
-        # The shift does not depend on this step's compute, so the two overlap. The last shift
-        # brings the keys home, unused; a scan (not an unrolled loop) reuses every buffer.
+        # The shift does not depend on this step's compute, so the two overlap. Every step
+        # shifts, the last one uselessly (its transfer hides under the compute): one uniform scan
+        # body lets every buffer be reused, where a last step outside the loop costs memory.
         kv_next = _shift(kv, st.axis_name)
         acc = _kernel(st)[0](q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], acc, **tiles)
         return (acc, kv_next), None
@@ -142,11 +143,11 @@ def _ring_bwd(st, res, do):
 
     def step(carry, _):
         dq, kv, dkv = carry
-        kv_next = _shift(kv, st.axis_name)
+        kv_next = _shift(kv, st.axis_name)  # as in the forward: every step, for one scan body
         dq, dk_s, dv_s = _kernel(st)[1](
             q, kv[0], kv[1], q_seg, q_pos, kv[2], kv[3], lse, do, delta, dq, **tiles
         )
-        # After the last shift the accumulators are back on the rank that owns the keys.
+        # The accumulators travel with their keys: after cp shifts they are home again.
         dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
         return (dq, kv_next, dkv), None
 
@@ -197,6 +198,11 @@ def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, 
     for name, x in (("segment_ids", segment_ids), ("positions", positions)):
         if x.shape != (b, tk):
             raise ValueError(f"{name} must be [B,Tk]={(b, tk)} like k; got {x.shape}.")
+    if q is not None and branch is not None and branch.q.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"branch.q has {branch.q.shape[2]} heads but q has {q.shape[2]}; both must be "
+            "[B,*,Hq,D] with the same Hq."
+        )
     queries = [("q", q)] + ([("branch.q", branch.q)] if branch is not None else [])
     for name, x in queries:
         if x is None:

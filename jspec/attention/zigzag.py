@@ -68,20 +68,31 @@ def zigzag_unshard(x: Array, segment_ids: Int[Array, "b t"] | None, cp: int) -> 
     return _permute(x, zigzag_destination(segment_ids, x.shape[1], cp))
 
 
+def misaligned(segment_ids: Int[Array, "b t"], cp: int) -> Array:
+    """True (a traced bool) if some document's length is not a multiple of 2 * cp.
+
+    For ids known only inside `jit`: callers poison their output with NaN where this holds, so a
+    misaligned batch fails loudly instead of attending over a scrambled layout.
+    """
+    _, length = _runs(segment_ids)
+    return jnp.any(length % (2 * cp) != 0)
+
+
 def check_alignment(segment_ids, cp: int) -> None:
     """A clear error for a row or document whose length is not a multiple of 2 * cp.
 
-    Runs on concrete values only (under `jit` the ids are abstract and this check is skipped).
+    The row length is checked always; the documents when the ids are concrete values (under `jit`
+    they are abstract: see `misaligned`).
     """
-    if isinstance(segment_ids, jax.core.Tracer):
-        return
-    seg = np.asarray(segment_ids)
-    t = seg.shape[1]
+    t = segment_ids.shape[1]
     if t % (2 * cp):
         raise ValueError(
             f"sequence length {t} is not a multiple of 2 * cp = {2 * cp}; pad rows to a multiple "
             f"of {2 * cp} for context parallelism of {cp}."
         )
+    if isinstance(segment_ids, jax.core.Tracer):
+        return
+    seg = np.asarray(segment_ids)
     for row in range(seg.shape[0]):
         cuts = np.flatnonzero(np.diff(seg[row])) + 1
         starts = np.concatenate([[0], cuts])

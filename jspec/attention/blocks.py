@@ -51,6 +51,25 @@ def may_see(q: TileRanges, k: TileRanges) -> Array:
     return (q.seg_lo <= k.seg_hi) & (k.seg_lo <= q.seg_hi) & (k.pos_lo <= q.pos_hi)
 
 
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_rows(x, length: int):
+    """Pads axis 1 with zeros to `length` (segment id 0: padding sees and is seen by nothing)."""
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _finish(m, l, acc):
+    """Online-softmax state -> (normalised output, lse); a query that saw nothing: (0, -inf)."""
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    return acc / l_safe[..., None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+
 def _tiles(x, block):
     """[B, T, ...] -> [T // block, B, block, ...]."""
     b, t = x.shape[:2]
@@ -133,8 +152,7 @@ def fwd(
         lse_t = jnp.moveaxis(lse_i, 1, 3)  # [B, Hkv, G, bq]
         init = (lse_t, jnp.isfinite(lse_t).astype(jnp.float32), jnp.moveaxis(o_i, 1, 3))
         (m, l, acc), _ = jax.lax.scan(step, init, (*k_xs, kr))
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        o, lse = _finish(m, l, acc)
         # [B, Hkv, G, bq, (D)] -> [B, bq, Hq, (D)]
         o = jnp.moveaxis(o, 3, 1).reshape(b, block_q, hq, d)
         lse = jnp.moveaxis(lse, 3, 1).reshape(b, block_q, hq)
@@ -307,8 +325,7 @@ def branch_fwd(
         jnp.zeros(shape + (d,), jnp.float32),
     )
     m, l, acc = _walk(nodes, parent, body, init)
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    o, lse = _finish(m, l, acc)
     return o.reshape(b, nq, hq, d), lse.reshape(b, nq, hq)
 
 

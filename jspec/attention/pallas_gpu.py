@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks
+from jspec.attention import blocks, masks
 
 try:  # the Triton lowering's compiler parameters (num_warps, num_stages)
     from jax.experimental.pallas import triton as plgpu
@@ -148,11 +148,6 @@ def _plan(q_seg, q_pos, k_seg, k_pos, bq, bk, *, by_key):
     return jnp.concatenate([n_full[..., None], n_part[..., None], *pairs], axis=-1)
 
 
-def _mask(qseg, qpos, kseg, kpos):
-    """masks.visible for a [rows, cols] tile; the operands are already broadcast row/column."""
-    return (qseg == kseg) & (qseg != 0) & (kpos <= qpos)
-
-
 def _visit(plan_ref, body, carry):
     """Runs body(tile index, carry, masked) over the plan: full runs unmasked, then the rest."""
     r = (plan_ref.shape[0] - 2) // 4
@@ -200,7 +195,7 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
         s = _dot(q, k_ref[rows, :], trans_b=True) * (scale * _LOG2E)
         if masked:
             s = jnp.where(
-                _mask(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None]), s, -jnp.inf
+                masks.visible(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None]), s, -jnp.inf
             )
         m_new = jnp.maximum(m, s.max(axis=-1))
         # A row with nothing visible yet keeps m = -inf; exp2 against 0 then gives p = 0.
@@ -236,7 +231,7 @@ def _dkdv_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kp
             # Transposed tile [bk, bq]: dK and dV come out without a transpose in registers.
             p = jnp.exp2(_dot(k, q, trans_b=True) * (scale * _LOG2E) - lse2)
             if masked:
-                seen = _mask(qseg_ref[rows][None], qpos_ref[rows][None], kseg, kpos)
+                seen = masks.visible(qseg_ref[rows][None], qpos_ref[rows][None], kseg, kpos)
                 p = jnp.where(seen, p, 0.0)
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta_ref[g, rows][None])
@@ -265,7 +260,9 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
         k = k_ref[rows, :]
         p = jnp.exp2(_dot(q, k, trans_b=True) * (scale * _LOG2E) - lse2)
         if masked:
-            p = jnp.where(_mask(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None]), p, 0.0)
+            p = jnp.where(
+                masks.visible(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None]), p, 0.0
+            )
         ds = p * (_dot(do, v_ref[rows, :], trans_b=True) - delta)
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -275,17 +272,6 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers: padding, layouts, the plan, the calls.
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad(x, length):
-    pad = length - x.shape[1]
-    if pad == 0:
-        return x
-    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _check(q, k, tiles: Tiles):
@@ -305,10 +291,10 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpr
     hkv = k.shape[2]
     g = hq // hkv
     tile = tiles.fwd
-    tq, tk = _round_up(tq0, tile.q), _round_up(k.shape[1], tile.k)
-    q, q_seg, q_pos, o0 = (_pad(x, tq) for x in (q, q_seg, q_pos, o0))
-    lse0 = jnp.swapaxes(_pad(lse0, tq), 1, 2)
-    k, v, k_seg, k_pos = (_pad(x, tk) for x in (k, v, k_seg, k_pos))
+    tq, tk = blocks.round_up(tq0, tile.q), blocks.round_up(k.shape[1], tile.k)
+    q, q_seg, q_pos, o0 = (blocks.pad_rows(x, tq) for x in (q, q_seg, q_pos, o0))
+    lse0 = jnp.swapaxes(blocks.pad_rows(lse0, tq), 1, 2)
+    k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
     plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=False)
     nq = tq // tile.q
 
@@ -354,12 +340,14 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     b, tq0, hq, d = q.shape
     tk0, hkv = k.shape[1:3]
     g = hq // hkv
-    tq = _round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
-    tk = _round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
-    q, dout, q_seg, q_pos, dq0 = (_pad(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
-    k, v, k_seg, k_pos = (_pad(x, tk) for x in (k, v, k_seg, k_pos))
+    tq = blocks.round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
+    tk = blocks.round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
+    q, dout, q_seg, q_pos, dq0 = (blocks.pad_rows(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
+    k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
     # Heads first for the per-row statistics: a query tile's values are contiguous.
-    lse, delta = (jnp.swapaxes(_pad(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta))
+    lse, delta = (
+        jnp.swapaxes(blocks.pad_rows(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta)
+    )
 
     # dK, dV: a program per (key tile, row, KV head); its G query heads: a block of the head axis.
     t = tiles.dkdv

@@ -175,18 +175,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # The public entry points: checks, the query array, padding to whole tiles.
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_rows(x, length, value=0):
-    pad = length - x.shape[1]
-    if pad == 0:
-        return x
-    widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl):
     if q is None and branch is None:
         raise ValueError("nothing to attend: q is None and there is no branch.")
@@ -286,16 +274,16 @@ def _attend(
 
     kernel = _resolve(impl, k.shape[-1])
     if kernel == "xla":
-        block_q = min(block_q or BLOCK_Q, _round_up(n_rows, 8))
-        block_k = min(block_k or BLOCK_K, _round_up(k.shape[1], 8))
+        block_q = min(block_q or BLOCK_Q, blocks.round_up(n_rows, 8))
+        block_k = min(block_k or BLOCK_K, blocks.round_up(k.shape[1], 8))
     else:  # the kernel tiles by its own sizes; pad to a multiple of them here, once
         block_q = block_k = PALLAS_PAD
-    rows = _round_up(n_rows, block_q)
-    keys = _round_up(k.shape[1], block_k)
+    rows = blocks.round_up(n_rows, block_q)
+    keys = blocks.round_up(k.shape[1], block_k)
     q_all, q_seg, q_pos = (
-        _pad_rows(jnp.concatenate(xs, axis=1), rows) for xs in zip(*parts, strict=True)
+        blocks.pad_rows(jnp.concatenate(xs, axis=1), rows) for xs in zip(*parts, strict=True)
     )
-    k_all, v_all, k_seg, k_pos = (_pad_rows(x, keys) for x in (k, v, segment_ids, positions))
+    k_all, v_all, k_seg, k_pos = (blocks.pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
     st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
     bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)

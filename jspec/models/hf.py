@@ -147,6 +147,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "rope_parameters": rope,
         "dtype": c.param_dtype,
+        # The same again in the transformers-4 layout, which vLLM, SGLang and older readers use.
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None if c.rope_scaling is None else rope,
+        "torch_dtype": c.param_dtype,
     }
 
 

@@ -87,6 +87,16 @@ class ModelConfig:
                 f"{where}.num_kv_heads={self.num_kv_heads}; grouped-query attention needs "
                 "num_heads = k * num_kv_heads."
             )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"{where}.head_dim={self.head_dim} must be even: rotary embeddings rotate pairs."
+            )
+        s = self.rope_scaling
+        if s is not None and s.high_freq_factor <= s.low_freq_factor:
+            raise ConfigError(
+                f"{where}.rope_scaling.high_freq_factor={s.high_freq_factor} must exceed "
+                f"low_freq_factor={s.low_freq_factor} (Llama 3 uses 4.0 and 1.0)."
+            )
         taps = self.taps
         bad = [t for t in taps if not 0 <= t < self.num_layers]
         if bad or len(set(taps)) != len(taps):

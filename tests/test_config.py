@@ -41,6 +41,11 @@ def test_dotted_overrides():
         (["model.dtype=float64"], r"model.dtype='float64' is not one of"),
         (["model.num_layers=abc"], r"model.num_layers='abc' is not int"),
         (["model.num_layers"], r"override 'model.num_layers' has no '='"),
+        (["model.head_dim=15"], r"model.head_dim=15 must be even"),
+        (
+            ["model.rope_scaling.low_freq_factor=4.0", "model.rope_scaling.high_freq_factor=4.0"],
+            r"high_freq_factor=4.0 must exceed low_freq_factor=4.0",
+        ),
     ],
 )
 def test_bad_config_values_are_named(overrides, message):

@@ -259,6 +259,11 @@ def test_context_parallel_misaligned_document_gives_nan(model):
     assert jnp.all(jnp.isnan(forward(state, tok, seg, pos)))
 
 
+def test_cache_longer_than_the_model_is_refused(model):
+    with pytest.raises(ConfigError, match=r"cache of 5000 slots exceeds model.max_seq_len=4096"):
+        model.init_cache(1, 5000)
+
+
 def test_remat_dots_agrees_with_full(model, reference):
     graphdef = graphdef_for(dataclasses.replace(CONFIG, remat="dots"))
     loss, grad = jax.jit(jax.value_and_grad(loss_fn(graphdef)))(nnx.state(model), *BATCH)

@@ -291,8 +291,13 @@ class Transformer(nnx.Module):
     # -- rollout -------------------------------------------------------------------------------
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty cache of `max_len` slots per row."""
+        """An empty cache of `max_len` slots per row (at most `config.max_seq_len`)."""
         c = self.config
+        if max_len > c.max_seq_len:
+            raise ConfigError(
+                f"a cache of {max_len} slots exceeds model.max_seq_len={c.max_seq_len}; ask for "
+                "fewer tokens, or raise model.max_seq_len if the model was trained for more."
+            )
         shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
         bs = ROLLOUT_ACT[0]
         kv = lambda: self._constrain(

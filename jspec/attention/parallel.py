@@ -21,10 +21,6 @@ from jspec.attention.branch import Branch
 from jspec.attention.ring import ring_attention
 
 
-def _concrete(*xs) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
 def _slots(rank, cp: int, capacity: int):
     """Slot (rank * capacity + order among the items of that rank) of each item [B, N]."""
     onehot = jax.nn.one_hot(rank, cp, dtype=jnp.int32)
@@ -34,7 +30,7 @@ def _slots(rank, cp: int, capacity: int):
 
 def _capacity(rank, cp: int, fallback: int) -> int:
     """Items per rank: exact for concrete inputs (rounded up to 8), else the worst case."""
-    if not _concrete(rank):
+    if not zigzag.concrete(rank):
         return fallback
     counts = np.stack([(np.asarray(rank) == r).sum(axis=1) for r in range(cp)])
     return max(8, -(-int(counts.max()) // 8) * 8)
@@ -61,7 +57,7 @@ def place_branch(branch: Branch, segment_ids: Int[Array, "b t"], cp: int):
     live = branch.anchor >= 0
     anchor_dest = jnp.take_along_axis(dest, jnp.maximum(branch.anchor, 0), axis=1)
     node_rank = jnp.where(live, anchor_dest // (t // cp), 0)
-    if _concrete(branch.parent, node_rank):
+    if zigzag.concrete(branch.parent, node_rank):
         parent = np.asarray(branch.parent)
         nr = np.asarray(node_rank)
         has_parent = parent >= 0

@@ -68,6 +68,11 @@ def zigzag_unshard(x: Array, segment_ids: Int[Array, "b t"] | None, cp: int) -> 
     return _permute(x, zigzag_destination(segment_ids, x.shape[1], cp))
 
 
+def concrete(*xs) -> bool:
+    """Whether every array is a value (not abstract under `jit`), so checks can read it."""
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
 def misaligned(segment_ids: Int[Array, "b t"], cp: int) -> Array:
     """True (a traced bool) if some document's length is not a multiple of 2 * cp.
 
@@ -90,7 +95,7 @@ def check_alignment(segment_ids, cp: int) -> None:
             f"sequence length {t} is not a multiple of 2 * cp = {2 * cp}; pad rows to a multiple "
             f"of {2 * cp} for context parallelism of {cp}."
         )
-    if isinstance(segment_ids, jax.core.Tracer):
+    if not concrete(segment_ids):
         return
     seg = np.asarray(segment_ids)
     for row in range(seg.shape[0]):

@@ -38,8 +38,10 @@ class RopeScaling:
 class ModelConfig:
     """A decoder-only LM of the Llama 3 / Qwen3 families.
 
-    `tap_layers` are the layers whose *input* hidden states the draft consumes (EAGLE-3 takes the
-    inputs of layers 2, L//2 and L-3); None means that default.
+    `tap_layers` are the layers whose *input* hidden states an EAGLE-3 draft consumes; None means
+    the EAGLE-3 default, the inputs of layers 2, L//2 and L-3, or (0, L//2, L-1) for models of 3 to
+    6 layers, where that default would repeat a layer. Only a model with a draft attached needs
+    them (`check_taps`), so any layer count loads.
     """
 
     vocab_size: int = 256
@@ -65,7 +67,23 @@ class ModelConfig:
         if self.tap_layers is not None:
             return tuple(self.tap_layers)
         n = self.num_layers
-        return (2, n // 2, n - 3)
+        return (2, n // 2, n - 3) if n >= 7 else (0, n // 2, n - 1)
+
+    def check_taps(self, where: str = "model") -> None:
+        """Three distinct tap layers in range: what an EAGLE-3 draft needs of its target."""
+        taps = self.taps
+        bad = [t for t in taps if not 0 <= t < self.num_layers]
+        if len(taps) != 3 or bad or len(set(taps)) != 3:
+            raise ConfigError(
+                f"{where}.tap_layers={taps}: an EAGLE-3 draft needs 3 distinct layer indices in "
+                f"[0, {self.num_layers}); "
+                + (
+                    f"a model of {self.num_layers} layers has fewer than 3, so use another draft "
+                    "kind (external) or none."
+                    if self.num_layers < 3
+                    else f"set {where}.tap_layers explicitly, or leave it unset for the default."
+                )
+            )
 
     def validate(self, where: str = "model") -> None:
         for name in (
@@ -97,14 +115,8 @@ class ModelConfig:
                 f"{where}.rope_scaling.high_freq_factor={s.high_freq_factor} must exceed "
                 f"low_freq_factor={s.low_freq_factor} (Llama 3 uses 4.0 and 1.0)."
             )
-        taps = self.taps
-        bad = [t for t in taps if not 0 <= t < self.num_layers]
-        if bad or len(set(taps)) != len(taps):
-            raise ConfigError(
-                f"{where}.tap_layers={taps} must be distinct layer indices in "
-                f"[0, {self.num_layers}); the EAGLE-3 default (2, L//2, L-3) needs num_layers >= 6,"
-                f" or set {where}.tap_layers explicitly."
-            )
+        if self.tap_layers is not None:
+            self.check_taps(where)
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in ("float32", "bfloat16", "float16"):
@@ -113,6 +125,136 @@ class ModelConfig:
                 )
         if self.remat not in ("none", "full", "dots"):
             raise ConfigError(f"{where}.remat={self.remat!r} is not one of 'none', 'full', 'dots'.")
+
+
+_TREE_KINDS = ("chain", "static", "dynamic")
+_DRAFT_KINDS = ("eagle3", "external", "none")
+
+
+def _choice(where: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}={value!r} is not one of {', '.join(map(repr, allowed))}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """The draft tree each verify step checks.
+
+    kind 'chain': `depth` nodes in a line. 'static': the topology `parents` (parents[i] is node
+    i's parent, -1 for a child of the root, parents first). With `sampled`, chain and static
+    children are drawn from the draft and verified against its probabilities; otherwise they are
+    the draft's top-ranked tokens, verified as point masses. 'dynamic': an EAGLE-2 tree, `top_k`
+    children of the `top_k` best nodes per level for `depth` levels, reranked to `total_tokens`
+    nodes (point masses). `verify_budget` bounds the nodes of one verify forward.
+    """
+
+    kind: str = "chain"
+    depth: int = 4
+    parents: tuple[int, ...] | None = None
+    top_k: int = 4
+    total_tokens: int = 8
+    sampled: bool = True
+    verify_budget: int = 64
+
+    @property
+    def num_nodes(self) -> int:
+        if self.kind == "static":
+            return len(self.parents or ())
+        return self.depth if self.kind == "chain" else self.total_tokens
+
+    def validate(self, where: str = "rollout.tree") -> None:
+        _choice(f"{where}.kind", self.kind, _TREE_KINDS)
+        if self.kind == "static":
+            parents = self.parents or ()
+            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+            if not parents or bad:
+                raise ConfigError(
+                    f"{where}.parents={self.parents}: a static tree needs at least one node, and "
+                    "each parent must be -1 (the root) or an earlier node's index"
+                    + (f"; parents[{bad[0]}]={parents[bad[0]]} is not." if bad else ".")
+                )
+        else:
+            for name in ("depth",) + (("top_k", "total_tokens") if self.kind == "dynamic" else ()):
+                if getattr(self, name) < 1:
+                    raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
+        if self.kind == "dynamic":
+            pool = self.top_k + (self.depth - 1) * self.top_k**2
+            if self.total_tokens > pool:
+                raise ConfigError(
+                    f"{where}.total_tokens={self.total_tokens} exceeds the {pool} candidates that "
+                    f"top_k={self.top_k} and depth={self.depth} propose; lower total_tokens or "
+                    "raise top_k or depth."
+                )
+        if self.num_nodes > self.verify_budget:
+            raise ConfigError(
+                f"{where}: a {self.kind} tree of {self.num_nodes} nodes exceeds "
+                f"{where}.verify_budget={self.verify_budget}; shrink the tree or raise the budget."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """The draft model that proposes trees.
+
+    kind 'eagle3': an EAGLE-3 head on the target's taps, from `path` (a checkpoint in the public
+    EAGLE-3 layout) or randomly initialised with a draft vocabulary of `vocab_size` most frequent
+    tokens (0: the target's whole vocabulary). 'external': a small decoder sharing the target's
+    tokenizer, from `path` (a Hugging Face checkpoint) or randomly initialised as `model`.
+    'none': plain decoding.
+    """
+
+    kind: str = "none"
+    path: str | None = None
+    vocab_size: int = 0
+    model: ModelConfig | None = None
+
+    def validate(self, where: str = "rollout.draft") -> None:
+        _choice(f"{where}.kind", self.kind, _DRAFT_KINDS)
+        if self.kind == "external" and self.path is None and self.model is None:
+            raise ConfigError(
+                f"{where}.kind='external' needs {where}.path (a Hugging Face checkpoint) or "
+                f"{where}.model (a model config to initialise randomly)."
+            )
+        if self.model is not None:
+            self.model.validate(f"{where}.model")
+        if self.vocab_size < 0:
+            raise ConfigError(
+                f"{where}.vocab_size={self.vocab_size} must be >= 0 (0: the target's vocabulary)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How rollouts are generated: sampling, stopping, and the draft and tree that speed them up."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_id: int | None = None
+    draft: DraftConfig = DraftConfig()
+    tree: TreeConfig = TreeConfig()
+
+    def validate(self, model: ModelConfig, where: str = "rollout") -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{where}.max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if not self.temperature >= 0:
+            raise ConfigError(
+                f"{where}.temperature={self.temperature} must be >= 0 (0 is greedy decoding)."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{where}.top_p={self.top_p} must be in (0, 1] (1 disables top-p).")
+        if self.top_k < 0:
+            raise ConfigError(f"{where}.top_k={self.top_k} must be >= 0 (0 disables top-k).")
+        if self.eos_id is not None and not 0 <= self.eos_id < model.vocab_size:
+            raise ConfigError(
+                f"{where}.eos_id={self.eos_id} is not a token of the vocabulary of size "
+                f"{model.vocab_size}; use the tokenizer's end-of-sequence id, or none."
+            )
+        self.draft.validate(f"{where}.draft")
+        self.tree.validate(f"{where}.tree")
+        if self.draft.kind == "eagle3":
+            model.check_taps()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +275,11 @@ class Config:
     seed: int = 0
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
     def validate(self) -> Config:
         self.model.validate("model")
+        self.rollout.validate(self.model)
         return self
 
 

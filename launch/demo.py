@@ -1,29 +1,27 @@
-"""CPU demo: a small Qwen3-style model generates with its KV cache, and checks itself.
+"""CPU demo: a small Qwen3-style model generates plainly and speculatively, and checks itself.
 
     python launch/demo.py                       # configs/demo.yaml, random weights
-    python launch/demo.py --config tiny model.num_layers=12 --new-tokens 64
+    python launch/demo.py --config tiny model.num_layers=12 rollout.max_new_tokens=64
     python launch/demo.py --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint directory
 
-Prefill and decode run in one jitted program (decode steps through the layers unrolled, as the
-sampler does). With greedy decoding the demo then re-reads prompt + generation in one training
-forward and checks that every generated token is that forward's argmax: the cache path and the
-training path agree.
+Both runs are one jitted program each (`jspec.sampler.generate`): plain decoding, then speculative
+decoding with the draft and tree of the config's `rollout` section. With greedy decoding the two
+must agree token for token, and the plain tokens must be the argmax of one training forward over
+prompt + generation: the cache path, the verify path and the training path agree.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jspec import config as config_lib
-from jspec.models import create, hf
-from jspec.spec import sample
+from jspec.models import create, draft, hf
+from jspec.sampler import generate
 
 
 def parse_args(argv=None):
@@ -33,78 +31,68 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint directory")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (and checked)")
     return p.parse_args(argv)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature"))
-def generate(graphdef, state, prompts, lengths, key, *, steps, temperature):
-    """Prefill the prompts, then `steps` decode steps; returns the new tokens [B, steps]."""
-    model = nnx.merge(graphdef, state)
-    cache = model.init_cache(prompts.shape[0], prompts.shape[1] + steps)
-    logits, cache = model.prefill(prompts, cache, lengths)
-
-    def step(carry, key):
-        logits, cache = carry
-        token = sample(key, logits, temperature=temperature)
-        logits, cache = model.decode(token, cache)
-        return (logits, cache), token
-
-    _, tokens = jax.lax.scan(step, (logits, cache), jax.random.split(key, steps))
-    return tokens.T
+def timed(run):
+    """(result, seconds) of the second call: the first compiles."""
+    jax.block_until_ready(run(0))
+    start = time.perf_counter()
+    out = jax.block_until_ready(run(1))
+    return out, time.perf_counter() - start
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.checkpoint:
-        model = hf.load(args.checkpoint)
-        seed = 0
-    else:
-        cfg = config_lib.load(args.config, args.overrides)
-        model = create(cfg.model, seed=cfg.seed)
-        seed = cfg.seed
-    c = model.config
+    cfg = config_lib.load(args.config, args.overrides)
+    model = hf.load(args.checkpoint) if args.checkpoint else create(cfg.model, seed=cfg.seed)
+    c, rollout = model.config, cfg.rollout
     print(
         f"model: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
         f"{c.num_kv_heads}, vocab {c.vocab_size}, on {jax.devices()[0].platform}"
     )
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(cfg.seed)
     b, t = args.batch, args.prompt_len
     prompts = jnp.asarray(rng.integers(0, c.vocab_size, (b, t)), jnp.int32)
     lengths = jnp.asarray(rng.integers(t // 2, t + 1, b), jnp.int32)  # ragged prompts
     prompts = jnp.where(jnp.arange(t) < lengths[:, None], prompts, 0)
+    drafter = draft.from_config(rollout.draft, model, seed=cfg.seed)
 
-    graphdef, state = nnx.split(model)
-    run = functools.partial(
-        generate,
-        graphdef,
-        state,
-        prompts,
-        lengths,
-        steps=args.new_tokens,
-        temperature=args.temperature,
-    )
-    start = time.perf_counter()
-    tokens = jax.block_until_ready(run(jax.random.key(seed)))
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = jax.block_until_ready(run(jax.random.key(seed + 1)))
-    run_s = time.perf_counter() - start
-    print(f"compiled in {compile_s:.1f} s; {b * args.new_tokens / run_s:,.0f} tokens/s after")
+    runs = {"plain": None, f"speculative ({rollout.draft.kind} draft)": drafter}
+    results = {}
+    for name, d in runs.items():
+        run = lambda k, d=d: generate(model, d, prompts, lengths, jax.random.key(k), rollout)
+        out, seconds = timed(run)
+        results[name] = out
+        tokens = int(np.sum(out.lengths))
+        print(
+            f"{name}: {tokens / seconds:,.0f} tokens/s, "
+            f"mean accepted length {out.stats.mean_accepted_length():.2f}"
+        )
+    plain = next(iter(results.values()))
     for row in range(b):
         prompt = prompts[row, : lengths[row]].tolist()
-        print(f"  prompt {prompt[:8]}{'...' if len(prompt) > 8 else ''} -> {tokens[row].tolist()}")
+        new = plain.tokens[row, : plain.lengths[row]].tolist()
+        print(f"  prompt {prompt[:8]}{'...' if len(prompt) > 8 else ''} -> {new}")
+    if rollout.temperature == 0:
+        check(model, prompts, lengths, results)
 
-    if args.temperature == 0:
-        ok = all(check_row(model, prompts[r, : lengths[r]], tokens[r]) for r in range(b))
-        print(f"greedy generation equals the argmax of the full forward: {'yes' if ok else 'NO'}")
-        if not ok:
-            raise SystemExit(1)
+
+def check(model, prompts, lengths, results) -> None:
+    """Greedy: every run emits the same tokens, each the argmax of one training forward."""
+    plain, *others = results.values()
+    same = all(np.array_equal(o.tokens, plain.tokens) for o in others)
+    argmax = all(
+        check_row(model, prompts[r, : lengths[r]], plain.tokens[r, : plain.lengths[r]])
+        for r in range(prompts.shape[0])
+    )
+    print(f"speculative equals plain: {'yes' if same else 'NO'}")
+    print(f"greedy generation equals the argmax of the full forward: {'yes' if argmax else 'NO'}")
+    if not (same and argmax):
+        raise SystemExit(1)
 
 
 def check_row(model, prompt, generated) -> bool:
-    """Every generated token is the argmax of one training forward over prompt + generation."""
     seq = jnp.concatenate([prompt, generated])[None]
     logits = model(seq)[0]
     predicted = jnp.argmax(logits[len(prompt) - 1 : -1], axis=-1)

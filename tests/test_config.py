@@ -21,6 +21,31 @@ def test_real_families_match_their_published_shapes():
     assert config.load("qwen3-0.6b").model.tie_embeddings
 
 
+def test_default_taps_are_distinct_for_every_layer_count():
+    for n in range(3, 80):
+        taps = config.ModelConfig(num_layers=n).taps
+        assert len(set(taps)) == 3 and all(0 <= t < n for t in taps), (n, taps)
+    assert config.ModelConfig(num_layers=36).taps == (2, 18, 33)  # EAGLE-3's own choice
+    config.ModelConfig(num_layers=2).validate()  # loads: only a draft needs three taps
+    with pytest.raises(ConfigError, match="a model of 2 layers has fewer than 3"):
+        config.ModelConfig(num_layers=2).check_taps()
+    with pytest.raises(ConfigError, match="a model of 2 layers has fewer than 3"):
+        config.load("tiny", ["model.num_layers=2", "rollout.draft.kind=eagle3"])
+
+
+def test_rollout_section_loads_with_nested_draft_model():
+    cfg = config.load(
+        "tiny",
+        [
+            "rollout.draft.kind=external",
+            "rollout.draft.model={num_layers: 2, hidden_size: 32}",
+            "rollout.tree.kind=static",
+            "rollout.tree.parents=[-1,-1,0]",
+        ],
+    )
+    assert cfg.rollout.draft.model.num_layers == 2 and cfg.rollout.tree.num_nodes == 3
+
+
 def test_dotted_overrides():
     cfg = config.load("tiny", ["model.num_layers=12", "model.tap_layers=[1,5,9]", "seed=3"])
     assert cfg.model.num_layers == 12 and cfg.model.taps == (1, 5, 9) and cfg.seed == 3
@@ -36,7 +61,18 @@ def test_dotted_overrides():
             r"model.num_layers\?",
         ),
         (["model.num_heads=5"], r"model.num_heads=5 is not a multiple of model.num_kv_heads=2"),
-        (["model.num_layers=4"], r"model.tap_layers=\(2, 2, 1\) must be distinct"),
+        (["model.tap_layers=[1,1,2]"], r"model.tap_layers=\(1, 1, 2\): an EAGLE-3 draft needs 3"),
+        (["model.tap_layers=[1,2,8]"], r"distinct layer indices in \[0, 8\)"),
+        (["rollout.tree.kind=bushy"], r"rollout.tree.kind='bushy' is not one of 'chain'"),
+        (["rollout.draft.kind=medusa"], r"rollout.draft.kind='medusa' is not one of 'eagle3'"),
+        (["rollout.draft.kind=external"], r"needs rollout.draft.path .* or rollout.draft.model"),
+        (["rollout.tree.kind=static", "rollout.tree.parents=[-1,1]"], r"parents\[1\]=1 is not"),
+        (
+            ["rollout.tree.kind=dynamic", "rollout.tree.top_k=2", "rollout.tree.depth=2"],
+            r"total_tokens=8 exceeds the 6 candidates",
+        ),
+        (["rollout.eos_id=256"], r"rollout.eos_id=256 is not a token of the vocabulary of size"),
+        (["rollout.top_p=0"], r"rollout.top_p=0.0 must be in \(0, 1\]"),
         (["model.hidden_size=0"], r"model.hidden_size=0 must be positive"),
         (["model.dtype=float64"], r"model.dtype='float64' is not one of"),
         (["model.num_layers=abc"], r"model.num_layers='abc' is not int"),

@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from helpers import close
 from safetensors.numpy import load_file, save_file
 
 from jspec.config import MeshConfig, RopeScaling
 from jspec.mesh import make_mesh, sharding
 from jspec.models import hf
 
-TAPS = (0, 1, 2)  # 3 layers: the EAGLE-3 default taps need 7 or more
 SIZES = dict(
     vocab_size=128,
     hidden_size=64,
@@ -84,12 +84,6 @@ def jspec_logits(model, tok, seg=None, pos=None):
     return np.asarray(fn(state, tok, seg, pos))
 
 
-def close(got, want, rtol=1e-4):
-    """Max abs difference within rtol of the logit scale (max |logits|)."""
-    err, scale = np.abs(got - want).max(), np.abs(want).max()
-    assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
-
-
 def two_rows(seed=0):
     """Row 0 packs documents of 7 and 9 tokens (positions restart); row 1 is one 16-token doc."""
     docs = [np.random.RandomState(seed + i).randint(0, 128, n) for i, n in enumerate((7, 9, 16))]
@@ -102,25 +96,25 @@ def two_rows(seed=0):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logits_match_transformers_including_packed_rows(checkpoints, name):
     hf_m, path = checkpoints[name]
-    model = hf.load(path, tap_layers=TAPS)
+    model = hf.load(path)
     assert model.config.qk_norm == name.startswith("qwen3")
     assert model.config.tie_embeddings == name.endswith("tied")
     assert (model.config.rope_scaling is not None) == name.startswith("llama3")
     docs, tok, seg, pos = two_rows()
     got = jspec_logits(model, tok, seg, pos)
-    close(got[0, :7], hf_logits(hf_m, docs[0]))
-    close(got[0, 7:], hf_logits(hf_m, docs[1]))
-    close(got[1], hf_logits(hf_m, docs[2]))
+    close(got[0, :7], hf_logits(hf_m, docs[0]), rtol=1e-4)
+    close(got[0, 7:], hf_logits(hf_m, docs[1]), rtol=1e-4)
+    close(got[1], hf_logits(hf_m, docs[2]), rtol=1e-4)
 
 
 @pytest.mark.parametrize(("name", "max_shard_bytes"), [("qwen3", 60_000), ("llama3_tied", None)])
 def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path, name, max_shard_bytes):
     hf_m, path = checkpoints[name]
-    model = hf.load(path, tap_layers=TAPS)
+    model = hf.load(path)
     hf.save(tmp_path, model, max_shard_bytes=max_shard_bytes)
     assert (tmp_path / hf.INDEX).is_file() == (max_shard_bytes is not None)
 
-    again = hf.load(tmp_path, tap_layers=TAPS)
+    again = hf.load(tmp_path)
     assert again.config == model.config
     jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(model))
 
@@ -128,26 +122,26 @@ def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path, nam
     seq = two_rows()[0][2]
     want = hf_logits(hf_m, seq)
     np.testing.assert_array_equal(hf_logits(exported, seq), want)
-    close(jspec_logits(again, seq[None])[0], want)
+    close(jspec_logits(again, seq[None])[0], want, rtol=1e-4)
 
 
 def test_load_places_parameters_sharded(checkpoints):
     _, path = checkpoints["qwen3"]
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
-    model = hf.load(path, mesh=mesh, tap_layers=TAPS)
+    model = hf.load(path, mesh=mesh)
     wq = model.layers.wq[...]
     assert wq.sharding.is_equivalent_to(sharding(mesh, ("layers", "embed", "heads", "head_dim")), 4)
     assert wq.addressable_shards[0].data.shape == (3, 64, 2, 16)  # half the heads per device
-    plain = hf.load(path, tap_layers=TAPS)
+    plain = hf.load(path)
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model), nnx.state(plain))
 
 
 def test_dtype_follows_the_checkpoint_unless_asked(tmp_path):
     hf_model("qwen3").to(torch.bfloat16).save_pretrained(tmp_path)
-    model = hf.load(tmp_path, tap_layers=TAPS)
+    model = hf.load(tmp_path)
     assert model.config.param_dtype == model.config.dtype == "bfloat16"
     assert model.embed[...].dtype == jnp.bfloat16
-    as_f32 = hf.load(tmp_path, dtype="float32", tap_layers=TAPS)
+    as_f32 = hf.load(tmp_path, dtype="float32")
     assert as_f32.layers.w_up[...].dtype == jnp.float32
     np.testing.assert_array_equal(as_f32.embed[...], model.embed[...].astype(jnp.float32))
 
@@ -161,11 +155,11 @@ def test_config_from_legacy_hf_dict():
         "rope_scaling": LLAMA3_ROPE,
         "torch_dtype": "bfloat16",
     }
-    config = hf.config_from_hf(legacy, tap_layers=TAPS)
+    config = hf.config_from_hf(legacy)
     assert config.rope_theta == 500_000.0
     assert config.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
     assert config.head_dim == 16 and config.param_dtype == "bfloat16"
-    assert hf.config_from_hf(hf.config_to_hf(config), tap_layers=TAPS) == config
+    assert hf.config_from_hf(hf.config_to_hf(config)) == config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,18 +189,18 @@ def test_missing_files_are_named(checkpoints, tmp_path):
     copy_checkpoint(checkpoints["qwen3"][1], tmp_path)
     (tmp_path / hf.SINGLE).unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors nor .*index.json exists"):
-        hf.load(tmp_path, tap_layers=TAPS)
+        hf.load(tmp_path)
     shard = {"model.embed_tokens.weight": "model-1-of-2.safetensors"}
     (tmp_path / hf.INDEX).write_text(json.dumps({"weight_map": shard}))
     with pytest.raises(FileNotFoundError, match="model-1-of-2.safetensors .*not found"):
-        hf.load(tmp_path, tap_layers=TAPS)
+        hf.load(tmp_path)
 
 
 def test_missing_tensor_is_named_with_its_file(checkpoints, tmp_path):
     key = "model.layers.1.mlp.up_proj.weight"
     copy_checkpoint(checkpoints["llama3"][1], tmp_path, drop=key)
     with pytest.raises(hf.CheckpointError, match=rf"'{key}' is missing from .*model.safetensors"):
-        hf.load(tmp_path, tap_layers=TAPS)
+        hf.load(tmp_path)
 
 
 def test_shape_mismatch_is_named(checkpoints, tmp_path):
@@ -214,4 +208,4 @@ def test_shape_mismatch_is_named(checkpoints, tmp_path):
     key = "model.layers.0.mlp.down_proj.weight"  # parameters load in name order: w_down first
     match = rf"'{key}' in .*model.safetensors has shape \(64, 96\).* implies \(64, 128\)"
     with pytest.raises(hf.CheckpointError, match=match):
-        hf.load(tmp_path, tap_layers=TAPS)
+        hf.load(tmp_path)

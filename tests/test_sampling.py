@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from jspec.spec import sample, sample_from_probs, sampling_probs
+from jspec.sampler import sample, sample_from_probs, sampling_probs
 
 
 def reference_probs(logits, temperature, top_p, top_k):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import close
 
 from jspec.config import ConfigError, MeshConfig, ModelConfig
 from jspec.mesh import logical_spec, make_mesh, sharding
@@ -28,14 +29,6 @@ CONFIG = ModelConfig(
     tap_layers=(0, 1, 2),
 )
 PAD = 16  # every single-sequence forward runs at this length: one compilation
-
-
-def close(got, want, rtol=1e-5):
-    """Max abs difference within rtol of the scale (max abs) of `want`."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape
-    err, scale = np.abs(got - want).max(), np.abs(want).max()
-    assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
 
 
 def graphdef_for(config, mesh=None):
@@ -141,6 +134,59 @@ def test_branch_forward_matches_root_to_node_paths(model, fns):
     for b in range(2):
         seq = np.concatenate([prompt[b, : lengths[b]], node_tokens[b, accepted], nxt[b : b + 1]])
         close(logits[b], forward(seq)[0][-1])
+
+
+def test_prefill_continues_the_documents_in_the_cache(model, fns):
+    """Two prefills (chunked prompts), then a decode, read as one document per row."""
+    state, forward, prefill, decode, _ = fns
+    seqs = [tokens(11, 12), tokens(12, 12)]
+    first, second = np.array([4, 2], np.int32), np.array([3, 6], np.int32)
+    chunk = lambda start, n: np.stack(
+        [np.pad(s[a : a + k], (0, 6 - k)) for s, a, k in zip(seqs, start, n, strict=True)]
+    )
+    _, cache, _ = prefill(state, chunk([0, 0], first), model.init_cache(2, PAD), first)
+    logits, cache, taps = prefill(state, chunk(first, second), cache, second)
+    total = first + second
+    np.testing.assert_array_equal(cache.length, total)
+    np.testing.assert_array_equal(cache.positions[1, : total[1]], np.arange(total[1]))
+    for b in range(2):
+        want, want_taps = forward(seqs[b][: total[b]])
+        close(logits[b], want[-1])
+        close(taps[:, b, : second[b]], want_taps[:, first[b] :])
+    nxt = np.array([seqs[0][total[0]], seqs[1][total[1]]])
+    logits, cache, _ = decode(state, nxt, cache)
+    for b in range(2):
+        close(logits[b], forward(seqs[b][: total[b] + 1])[0][-1])
+
+
+def test_decode_on_an_empty_cache_starts_a_document(model, fns):
+    state, forward, _, decode, _ = fns
+    seq = tokens(13, 2)
+    logits, cache, _ = decode(state, seq[:1].repeat(2), model.init_cache(2, PAD))
+    close(logits[0], forward(seq[:1])[0][0])
+    logits, cache, _ = decode(state, seq[1:].repeat(2), cache)
+    close(logits[1], forward(seq)[0][-1])
+
+
+def test_prefill_of_no_tokens_is_refused_or_nan(model, fns):
+    state, _, prefill, *_ = fns
+    prompt = np.stack([tokens(14, 6), tokens(15, 6)])
+    with pytest.raises(ValueError, match=r"lengths\[1\]=0: every row needs at least one new token"):
+        model.prefill(prompt, model.init_cache(2, PAD), np.array([3, 0], np.int32))
+    logits, cache, _ = prefill(state, prompt, model.init_cache(2, PAD), np.array([3, 0], np.int32))
+    assert np.isfinite(logits[0]).all() and np.isnan(logits[1]).all()
+    np.testing.assert_array_equal(cache.length, [3, 0])
+
+
+def test_cache_overflow_is_refused_or_marked(model):
+    cache = model.init_cache(2, 4)
+    kv = jnp.zeros((CONFIG.num_layers, 2, 3, CONFIG.num_kv_heads, CONFIG.head_dim))
+    cache = cache.append(kv, kv, jnp.array([3, 1]))
+    with pytest.raises(ValueError, match=r"row 0 of the KV cache holds 3 of 4 slots and cannot"):
+        cache.append(kv, kv, jnp.array([2, 2]))
+    marked = jax.jit(KVCache.append)(cache, kv, kv, jnp.array([2, 2]))
+    np.testing.assert_array_equal(marked.overflowed, [True, False])
+    np.testing.assert_array_equal(marked.length, [4, 3])
 
 
 def test_taps_are_layer_inputs(model, fns):

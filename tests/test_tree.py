@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.spec import (
+from jspec.sampler import (
     StaticTree,
     Tree,
     branch_layout,

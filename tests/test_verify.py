@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.scipy.special import gammaincc
+from helpers import chi_square_p_value
 
-import jspec.spec.verify as verify_module
-from jspec.spec import StaticTree, build_static_tree, emitted_tokens, sampling_probs
-from jspec.spec.sampling import _keep, _top_p_mask
-from jspec.spec.verify import verify
+import jspec.sampler.acceptance as acceptance
+from jspec.sampler import StaticTree, build_static_tree, emitted_tokens, sampling_probs
+from jspec.sampler.acceptance import verify
+from jspec.sampler.sampling import _keep, _top_p_mask
 
 V = 4
 TRIALS = 100_000
@@ -150,22 +150,6 @@ def emitted_codes(
     return continue_from_target(continue_key, models, emitted, temperature, top_p, top_k)
 
 
-def chi_square_p_value(codes, joint) -> float:
-    """Pearson's test of the observed codes against `joint`; cells expecting < 5 are pooled, and
-    a draw in a cell of probability 0 fails outright."""
-    observed = np.bincount(np.asarray(codes), minlength=joint.size).astype(np.float64)
-    if observed[joint == 0].sum() > 0:
-        return 0.0
-    expected = observed.sum() * joint
-    big = expected >= 5
-    observed = np.append(observed[big], observed[~big & (joint > 0)].sum())
-    expected = np.append(expected[big], expected[~big & (joint > 0)].sum())
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    stat = np.sum((observed - expected) ** 2 / expected)
-    return float(gammaincc((expected.size - 1) / 2, stat / 2))
-
-
 def lossless_p_value(seed=0, **case) -> float:
     models = ToyModels.make(length=int(case["shape"].depth.max()) + 1, seed=seed)
     codes = emitted_codes(jax.random.key(seed + 1), models, **case)
@@ -193,7 +177,7 @@ def fresh_traces():
     """Mutations patch functions that jitted code has already traced: drop those traces."""
 
     def clear():
-        verify_module._verify.clear_cache()
+        acceptance._verify.clear_cache()
         emitted_codes.clear_cache()
 
     clear()
@@ -206,12 +190,12 @@ def test_lossless(name):
     assert lossless_p_value(**CASES[name]) > P_VALUE
 
 
-_reject_sampled_correct = verify_module._reject_sampled
+_reject_sampled_correct = acceptance._reject_sampled
 
 
 def _q_not_kept(p, q, x):
     residual, _ = _reject_sampled_correct(p, q, x)
-    return residual, verify_module._reject_point_mass(q, x)  # q as if drawn without x
+    return residual, acceptance._reject_point_mass(q, x)  # q as if drawn without x
 
 
 def _top_p_on_residual(top_p):
@@ -229,7 +213,8 @@ def _before_temperature(logits, temperature, top_p, top_k):
     return sampling_probs(logits, temperature=1.0, top_p=top_p, top_k=top_k)
 
 
-MUTATIONS = {  # name: (patches of jspec.spec.verify, the lossless case it breaks, tree mutation)
+# name: (patches of jspec.sampler.acceptance, the lossless case it breaks, tree mutation)
+MUTATIONS = {
     "q not kept after rejecting an i.i.d. sibling": (
         dict(_reject_sampled=_q_not_kept),
         "sampled tree",
@@ -254,7 +239,7 @@ def test_mutation_is_caught(name, monkeypatch, fresh_traces):
     """The unmutated case passes in `test_lossless`; with one rule broken it must fail."""
     patches, case, mutate_tree = MUTATIONS[name]
     for attribute, replacement in patches.items():
-        monkeypatch.setattr(verify_module, attribute, replacement)
+        monkeypatch.setattr(acceptance, attribute, replacement)
     assert lossless_p_value(**CASES[case], mutate_tree=mutate_tree) < P_VALUE
 
 
@@ -324,11 +309,11 @@ def test_equal_target_and_draft_accept_everything_and_stay_finite():
 
 def test_residual_without_mass_falls_back_to_the_target():
     p = jnp.array([[0.25, 0.25, 0.5, 0.0]])
-    np.testing.assert_array_equal(verify_module._reject_sampled(p, p, jnp.array([2]))[0], p)
+    np.testing.assert_array_equal(acceptance._reject_sampled(p, p, jnp.array([2]))[0], p)
     point = jnp.array([[0.0, 1.0, 0.0, 0.0]])
-    np.testing.assert_array_equal(verify_module._reject_point_mass(point, jnp.array([1])), point)
+    np.testing.assert_array_equal(acceptance._reject_point_mass(point, jnp.array([1])), point)
     q = jnp.array([[0.5, 0.25, 0.25, 0.0]])
-    residual, q_after = verify_module._reject_sampled(p, q, jnp.array([0]))
+    residual, q_after = acceptance._reject_sampled(p, q, jnp.array([0]))
     np.testing.assert_allclose(residual, [[0.0, 0.0, 1.0, 0.0]])
     np.testing.assert_array_equal(q_after, q)
 
@@ -338,13 +323,13 @@ def test_jit_with_traced_parents_compiles_once_per_shape():
     tokens = np.zeros((b, n), np.int32)
     parents = np.broadcast_to(INTERLEAVED.parents, (b, n))
     run = jax.jit(lambda key, t, par, lg: verify(key, t, par, lg, temperature=0.5, top_p=0.7))
-    before = verify_module._verify._cache_size()
+    before = acceptance._verify._cache_size()
     for seed in range(3):
         logits = np.random.default_rng(seed).standard_normal((b, n + 1, V), np.float32)
         run(jax.random.key(seed), tokens + seed % V, parents, logits)
         verify(jax.random.key(seed), tokens + seed % V, parents, logits, temperature=0.5, top_p=0.7)
     assert run._cache_size() == 1
-    assert verify_module._verify._cache_size() - before == 1
+    assert acceptance._verify._cache_size() - before == 1
 
 
 def _arguments(b=2, n=3, vocab=V):

@@ -10,8 +10,9 @@ One layer body (`Block.__call__`) serves every use; what differs is how it is dr
   (GPU.md).
 
 Attention itself is `jspec.attention`: this module rotates q and k and hands them over. Decode is
-the one-node case of the branch forward (the new token hangs off the last cached token), so the
-cache only ever grows by `KVCache.append`.
+a one-token prefill: the token's K/V are written into the cache, layer by layer in place, and the
+token attends to the cache. Verification is the branch forward (nodes hanging off the last cached
+token); `KVCache.append` then writes the accepted nodes.
 
 Shape suffixes: B batch, T tokens, N branch nodes, S cache slots, L layers, D hidden, H query heads,
 K key/value heads, E head dim, F MLP width, V vocabulary.
@@ -28,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
-from jspec.attention.zigzag import check_alignment, misaligned
+from jspec.attention.zigzag import check_alignment, concrete, misaligned
 from jspec.config import ConfigError, ModelConfig
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
@@ -163,23 +164,40 @@ class Block(nnx.Module):
         Returns the new residual stream and this layer's (k, v) [B,T,K,E], rotated, for caches.
         """
         c = self.config
-        dt = jnp.dtype(c.dtype)
-        w = lambda p: p[...].astype(dt)
+        w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))
         h_BTD = rms_norm(x_BTD, self.attn_norm[...], c.rms_norm_eps)
-        q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, w(self.wq))
-        k_BTKE = jnp.einsum("btd,dke->btke", h_BTD, w(self.wk))
-        v_BTKE = jnp.einsum("btd,dke->btke", h_BTD, w(self.wv))
-        if c.qk_norm:
-            q_BTHE = rms_norm(q_BTHE, self.q_norm[...], c.rms_norm_eps)
-            k_BTKE = rms_norm(k_BTKE, self.k_norm[...], c.rms_norm_eps)
-        q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
-        o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
-        x_BTD = x_BTD + jnp.einsum("bthe,hed->btd", o_BTHE, w(self.wo))
+        o_BTD, kv = attention_sublayer(
+            h_BTD, w(self.wq), w(self.wk), w(self.wv), w(self.wo), cos_sin, attend,
+            q_norm=w(self.q_norm), k_norm=w(self.k_norm), eps=c.rms_norm_eps,
+        )  # fmt: skip
+        x_BTD = x_BTD + o_BTD
         h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
-        g_BTF = jnp.einsum("btd,df->btf", h_BTD, w(self.w_gate))
-        u_BTF = jnp.einsum("btd,df->btf", h_BTD, w(self.w_up))
-        x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w(self.w_down))
-        return x_BTD, (k_BTKE, v_BTKE)
+        x_BTD = x_BTD + swiglu(h_BTD, w(self.w_gate), w(self.w_up), w(self.w_down))
+        return x_BTD, kv
+
+
+def attention_sublayer(h_BTD, wq, wk, wv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
+    """Projections, optional q/k RMSNorm (Qwen3), rotary, `attend`, output projection.
+
+    Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
+    attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
+    """
+    q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, wq)
+    k_BTKE = jnp.einsum("btd,dke->btke", h_BTD, wk)
+    v_BTKE = jnp.einsum("btd,dke->btke", h_BTD, wv)
+    if q_norm is not None:
+        q_BTHE = rms_norm(q_BTHE, q_norm, eps)
+        k_BTKE = rms_norm(k_BTKE, k_norm, eps)
+    q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
+    o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
+    return jnp.einsum("bthe,hed->btd", o_BTHE, wo), (k_BTKE, v_BTKE)
+
+
+def swiglu(h_BTD, w_gate, w_up, w_down):
+    """The SwiGLU MLP of Llama and Qwen."""
+    g_BTF = jnp.einsum("btd,df->btf", h_BTD, w_gate)
+    u_BTF = jnp.einsum("btd,df->btf", h_BTD, w_up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +208,9 @@ class KVCache(NamedTuple):
     """Static-shape KV cache (a pytree), one document per row.
 
     Slot i of row b holds the token at position i; slots at or past `length[b]` carry segment 0, so
-    attention never sees them, whatever their K/V.
+    attention never sees them, whatever their K/V. `overflowed[b]` marks a row that was asked to
+    hold more tokens than it has slots (only possible under `jit`, where the lengths are not
+    known before running): its extra tokens were dropped and its results must not be used.
     """
 
     k: Float[Array, "l b s kv e"]
@@ -198,26 +218,123 @@ class KVCache(NamedTuple):
     segment_ids: Int[Array, "b s"]
     positions: Int[Array, "b s"]
     length: Int[Array, " b"]
+    overflowed: Bool[Array, " b"]
+
+    def slots(self, count: Int[Array, " b"], n: int) -> Int[Array, "b n"]:
+        """Where the first `count[b]` of n new tokens of row b go (the slot count `s` = dropped).
+
+        Raises if the values are concrete and some row has no room for its tokens.
+        """
+        b, s = self.segment_ids.shape
+        if concrete(self.length, count):
+            over = np.flatnonzero(np.asarray(self.length) + np.asarray(count) > s)
+            if over.size:
+                r = int(over[0])
+                raise ValueError(
+                    f"row {r} of the KV cache holds {int(self.length[r])} of {s} slots and cannot "
+                    f"take {int(count[r])} more tokens; make the cache longer (init_cache max_len) "
+                    "or write fewer tokens."
+                )
+        j = jnp.arange(n, dtype=jnp.int32)
+        return jnp.where(j < count[:, None], self.length[:, None] + j, s)
 
     def append(self, k: KV, v: KV, count: Int[Array, " b"]) -> KVCache:
         """Writes the first `count[b]` of the N new tokens of row b at slots `length[b]` onwards.
 
-        Prefill, decode and accepted draft paths all grow the cache through here. Writes past the
-        last slot are dropped: keep `length + count <= max_len`.
+        Accepted draft paths grow the cache through here; prefill and decode write layer by layer
+        with `slots` and `with_tokens`.
         """
+        slot_BN = self.slots(count, k.shape[2])
+        return self.with_tokens(slot_BN, count)._replace(
+            k=write_kv(self.k, k, slot_BN), v=write_kv(self.v, v, slot_BN)
+        )
+
+    def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
+        """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they
+        were); a row whose tokens do not all fit is marked `overflowed`."""
         b, s = self.segment_ids.shape
-        j = jnp.arange(k.shape[2], dtype=jnp.int32)
-        slot_BN = jnp.where(j < count[:, None], self.length[:, None] + j, s)
-        row_B1 = jnp.arange(b)[:, None]
-        put = lambda a, x: a.at[row_B1, slot_BN].set(x, mode="drop")
-        put_kv = lambda a, x: a.at[:, row_B1, slot_BN].set(x.astype(a.dtype), mode="drop")
-        return KVCache(
-            k=put_kv(self.k, k),
-            v=put_kv(self.v, v),
+        put = lambda a, x: a.at[jnp.arange(b)[:, None], slot_BN].set(x, mode="drop")
+        wanted = self.length + count.astype(jnp.int32)
+        return self._replace(
             segment_ids=put(self.segment_ids, 1),
             positions=put(self.positions, slot_BN),
-            length=self.length + count.astype(jnp.int32),
+            length=jnp.minimum(wanted, s),
+            overflowed=self.overflowed | (wanted > s),
         )
+
+
+def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"], layer=None) -> Array:
+    """Writes new K or V at the slots of each row of a cache [L,B,S,K,E]: all layers [L,B,N,K,E],
+    or with `layer` that layer's [B,N,K,E]. Slots past the end are dropped."""
+    rows = jnp.arange(slot_BN.shape[0])[:, None]
+    index = (slice(None), rows, slot_BN) if layer is None else (layer, rows, slot_BN)
+    return cache_kv.at[index].set(new_kv.astype(cache_kv.dtype), mode="drop")
+
+
+class CacheWriter:
+    """Attention of T new tokens per row that continue the cache's documents: each layer writes the
+    tokens' K/V into its slice of the cache (in place) and the tokens attend to that slice.
+
+    `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
+    """
+
+    def __init__(self, cache: KVCache, count: Int[Array, " b"], t: int):
+        j = jnp.arange(t, dtype=jnp.int32)
+        self.q_positions = cache.length[:, None] + j
+        self.q_segment_ids = (j < count[:, None]).astype(jnp.int32)
+        self.slot_BT = cache.slots(count, t)
+        self.cache = cache.with_tokens(self.slot_BT, count)
+
+    def attend(self, i: int, q, k, v):
+        c = self.cache
+        k_all, v_all = (write_kv(a, x, self.slot_BT, layer=i) for a, x in ((c.k, k), (c.v, v)))
+        self.cache = c._replace(k=k_all, v=v_all)
+        return attention(
+            q, k_all[i], v_all[i], c.segment_ids, c.positions,
+            q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
+        )  # fmt: skip
+
+
+def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
+    """x at each row's last valid token [B,D]; NaN for a row with none."""
+    last = jnp.take_along_axis(x_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return jnp.where(count[:, None] >= 1, last, jnp.nan)
+
+
+class TreeKV(NamedTuple):
+    """Branch nodes computed at earlier steps of a tree expansion, which later nodes may have as
+    ancestors: their K/V per layer, anchors (-1: not filled yet) and parents (indices into these
+    C nodes). A fixed capacity C, so one expansion step keeps one shape at every depth."""
+
+    k: Float[Array, "l b c kv e"]
+    v: Float[Array, "l b c kv e"]
+    anchor: Int[Array, "b c"]
+    parent: Int[Array, "b c"]
+
+    @classmethod
+    def empty(cls, num_layers, batch, capacity, num_kv_heads, head_dim, dtype) -> TreeKV:
+        kv = jnp.zeros((num_layers, batch, capacity, num_kv_heads, head_dim), dtype)
+        ids = jnp.full((batch, capacity), -1, jnp.int32)
+        return cls(kv, kv, ids, ids)
+
+    def branch(self, i: int, q, k, v, anchor, parent) -> Branch:
+        """The `Branch` of N new nodes (q, k, v [B,N,.,E]; `parent` indexes these C nodes followed
+        by the N new ones) with the earlier nodes of layer i as possible ancestors."""
+        c, n = self.anchor.shape[1], q.shape[1]
+        cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1)
+        return Branch(
+            q, cat(self.k[i], k), cat(self.v[i], v), cat(self.anchor, anchor),
+            cat(self.parent, parent),
+            query_nodes=jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32), anchor.shape),
+        )  # fmt: skip
+
+    def add(self, k: KV, v: KV, anchor, parent, offset) -> TreeKV:
+        """Stores N new nodes at indices offset .. offset + N - 1."""
+        at = lambda a, x, axis: jax.lax.dynamic_update_slice_in_dim(
+            a, x.astype(a.dtype), offset, axis
+        )
+        kv = (at(self.k, k, 2), at(self.v, v, 2))
+        return TreeKV(*kv, at(self.anchor, anchor, 1), at(self.parent, parent, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +422,7 @@ class Transformer(nnx.Module):
         )
         ids = lambda: self._constrain(jnp.zeros((batch, max_len), jnp.int32), (bs, None))
         length = self._constrain(jnp.zeros((batch,), jnp.int32), (bs,))
-        return KVCache(kv(), kv(), ids(), ids(), length)
+        return KVCache(kv(), kv(), ids(), ids(), length, jnp.zeros((batch,), bool))
 
     def prefill(
         self,
@@ -315,38 +432,37 @@ class Transformer(nnx.Module):
         *,
         taps: bool = False,
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
-        """Runs right-padded prompts (row b: `lengths[b] >= 1` tokens; None: T) into an empty cache.
+        """Runs right-padded tokens (row b: the first `lengths[b]`; None: all T) into the cache,
+        continuing each row's document at position `cache.length[b]` (0 for a new cache).
 
-        Returns the logits at each row's last prompt token, the filled cache and, with `taps`, the
-        tap hidden states of every prompt token [len(taps),B,T,D].
+        Returns the logits after each row's last new token, the cache with the tokens written and,
+        with `taps`, the tap hidden states of every new token [len(taps),B,T,D]. A row given no new
+        token has no such logits: that is an error for concrete lengths, and NaN logits under `jit`.
         """
         b, t = tokens.shape
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-        attend = lambda i, q, k, v: attention(q, k, v, segment_ids, positions)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if concrete(lengths) and not np.all(np.asarray(lengths) >= 1):
+            r = int(np.flatnonzero(np.asarray(lengths) < 1)[0])
+            raise ValueError(
+                f"lengths[{r}]={int(lengths[r])}: every row needs at least one new token (a row "
+                "with none has no logits to return); drop the row or give it a token."
+            )
+        writer = CacheWriter(cache, lengths, t)
         x_BTD = self._embed(tokens, ROLLOUT_ACT)
-        x_BTD, taps_, (k, v) = self._unrolled(
-            x_BTD, rope_angles(self.config, positions), attend, taps
-        )
-        last_BD = jnp.take_along_axis(x_BTD, (lengths - 1)[:, None, None], axis=1)
-        logits = self._logits(last_BD, ROLLOUT_ACT)[:, 0]
-        cache = cache.append(k, v, lengths)
-        return (logits, cache, jnp.stack(taps_)) if taps else (logits, cache)
+        cos_sin = rope_angles(self.config, writer.q_positions)
+        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, taps)
+        logits = self._logits(last_valid(x_BTD, lengths)[:, None], ROLLOUT_ACT)[:, 0]
+        return (logits, writer.cache, jnp.stack(taps_)) if taps else (logits, writer.cache)
 
     def decode(
         self, token: Int[Array, " b"], cache: KVCache, *, taps: bool = False
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
         """One token per row at position `cache.length`: logits [B,V], the cache with the token
         appended, and with `taps` the tap hidden states [len(taps),B,D]."""
-        pos_B1 = cache.length[:, None]
-        out = self.branch_forward(
-            cache, token[:, None], pos_B1, pos_B1 - 1, jnp.full_like(pos_B1, -1), taps=taps
-        )
-        logits, k, v = out[0][:, 0], out[1], out[2]
-        cache = cache.append(k, v, jnp.ones_like(cache.length))
-        return (logits, cache, out[3][:, :, 0]) if taps else (logits, cache)
+        out = self.prefill(token[:, None], cache, taps=taps)
+        return (*out[:2], out[2][:, :, 0]) if taps else out
 
     def branch_forward(
         self,
@@ -357,19 +473,24 @@ class Transformer(nnx.Module):
         parent: Int[Array, "b n"],
         *,
         taps: bool = False,
+        earlier: TreeKV | None = None,
     ) -> tuple[Float[Array, "b n v"], KV, KV] | tuple[Float[Array, "b n v"], KV, KV, Taps]:
         """Branch tokens against the cache (the verify pass of speculative decoding).
 
         Node i of row b is token `tokens[b, i]` at `positions[b, i]` (the root's position + depth),
         hanging off cache slot `anchor[b, i]` (-1: padding node) below node `parent[b, i]` (-1:
-        none); it sees the cache up to its anchor and its ancestors. Negative tokens are allowed
-        for padding nodes. Returns logits [B,N,V], the nodes' K and V [L,B,N,K,E] (for
-        `KVCache.append` of the accepted ones) and, with `taps`, their tap states [len(taps),B,N,D].
-        The cache is not changed.
+        none); it sees the cache up to its anchor and its ancestors. With `earlier` (nodes of
+        earlier steps of a tree expansion), parents index those C nodes followed by these N.
+        Negative tokens are allowed for padding nodes. Returns logits [B,N,V], the nodes' K and V
+        [L,B,N,K,E] (for `KVCache.append` of the accepted ones, or `TreeKV.add`) and, with `taps`,
+        their tap states [len(taps),B,N,D]. The cache is not changed.
         """
 
         def attend(i, q, k, v):
-            branch = Branch(q, k, v, anchor, parent)
+            if earlier is None:
+                branch = Branch(q, k, v, anchor, parent)
+            else:
+                branch = earlier.branch(i, q, k, v, anchor, parent)
             kc, vc = cache.k[i], cache.v[i]
             return attention(None, kc, vc, cache.segment_ids, cache.positions, branch=branch)[1]
 
@@ -467,8 +588,12 @@ def create(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0) -> T
     Initialisation runs under `jit` with the parameters' shardings as outputs, so no device ever
     holds the whole model, and the values do not depend on the mesh.
     """
-    make = lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    return create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+
+
+def create_sharded(make, mesh: Mesh | None):
+    """The module `make()` builds, initialised under `jit` straight into its parameters'
+    shardings over `mesh` (None: default placement)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     out = None if mesh is None else param_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.state(make()), out_shardings=out)()
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.state(make()), out_shardings=out)())

@@ -2,10 +2,10 @@
 style trees, built level by level from the draft's logits.
 
 A `Tree` holds N nodes per row in topological order (a parent precedes its children; parent -1 is
-the root, the last sampled token). Its `draft_probs` say how `jspec.spec.verify` must treat it:
-None marks deterministic proposals (top-k, pruned or reranked trees: every dynamic tree), verified
-as point masses; otherwise they are the distributions every node's children were drawn from,
-i.i.d. with replacement, and verification uses them.
+the root, the last sampled token). Its `draft_probs` say how `jspec.sampler.verify` must treat
+it: None marks deterministic proposals (top-k, pruned or reranked trees: every dynamic tree),
+verified as point masses; otherwise they are the distributions every node's children were drawn
+from, i.i.d. with replacement, and verification uses them.
 
 The draft model drives the expansion through a `step_fn(frontier, carry) -> (logits, carry)`: the
 frontier is the set of nodes of one depth whose children are drawn next, and `logits [B, m, V]`
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jspec.spec.sampling import check_sampling_args, sample_from_probs, sampling_probs
-from jspec.spec.verify import check_parents
+from jspec.sampler.acceptance import check_parents
+from jspec.sampler.sampling import check_sampling_args, sample_from_probs, sampling_probs
 
 
 class Tree(NamedTuple):

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jspec.spec.sampling import check_sampling_args, sample_from_probs, sampling_probs
+from jspec.attention.zigzag import concrete
+from jspec.sampler.sampling import check_sampling_args, sample_from_probs, sampling_probs
 
 # A residual with less mass than this is numerical noise (p == q in exact arithmetic). The walk
 # only reaches such a residual through a rejection whose probability is that same mass, so falling
@@ -120,6 +121,8 @@ def _walk(
 
     q0 = None if q_all is None else q_all[:, 0]
     zeros = jnp.zeros((b,), jnp.int32)
+    if n == 0:  # no draft nodes (plain decoding): the next token comes from the root
+        return jnp.zeros((b, 0), jnp.int32), zeros, p_all[:, 0]
     init = (zeros, p_all[:, 0], q0, jnp.full((b, n), -1, jnp.int32), zeros)
     _, p, _, path, num = jax.lax.fori_loop(0, n, step, init)
     return path, num, p
@@ -135,10 +138,6 @@ def _verify(key, tokens, parents, target_logits, draft_probs, *, temperature, to
         u, tokens.astype(jnp.int32), parents.astype(jnp.int32), p_all, q_all
     )
     return Verdict(path, num_accepted, sample_from_probs(next_key, p_next))
-
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
 
 
 def check_parents(parents) -> None:
@@ -206,9 +205,9 @@ def verify(
     """
     check_sampling_args(temperature, top_p, top_k)
     _check_shapes(tokens, parents, target_logits, draft_probs)
-    if _is_concrete(parents):
+    if concrete(parents):
         check_parents(parents)
-    if _is_concrete(tokens) and tokens.size and int(np.max(tokens)) >= target_logits.shape[-1]:
+    if concrete(tokens) and tokens.size and int(np.max(tokens)) >= target_logits.shape[-1]:
         raise ValueError(
             f"a token id {int(np.max(tokens))} is not in the vocabulary of size "
             f"{target_logits.shape[-1]}; map draft-vocabulary ids to target ids before verifying"
@@ -230,5 +229,5 @@ def emitted_tokens(tokens: Int[Array, "b n"], verdict: Verdict) -> Int[Array, "b
     padded to N + 1; row b emits `verdict.num_accepted[b] + 1` tokens."""
     accepted = jnp.take_along_axis(tokens, jnp.maximum(verdict.path, 0), axis=1)
     accepted = jnp.where(verdict.path >= 0, accepted, -1)
-    padded = jnp.concatenate([accepted, jnp.full_like(accepted[:, :1], -1)], axis=1)
+    padded = jnp.concatenate([accepted, jnp.full((tokens.shape[0], 1), -1, accepted.dtype)], 1)
     return padded.at[jnp.arange(tokens.shape[0]), verdict.num_accepted].set(verdict.next_token)

@@ -1,0 +1,378 @@
+"""Draft models for speculative decoding, behind one small interface (`Draft`).
+
+Two kinds:
+- `Eagle3Draft`: the EAGLE-3 head. The target's hidden states entering three of its layers (its
+  taps) are concatenated and projected (`fc`, 3H -> H); one decoder layer attends over
+  concat(RMSNorm(token embedding), RMSNorm(fused feature)) (2H wide), with the residual taken from
+  the fused feature (before `hidden_norm`, or after it with `norm_before_residual`); then an MLP, a
+  final norm and an LM head over a draft vocabulary (the most frequent target tokens). The token
+  embedding is the target's, passed in at every call, not a copy.
+- `ExternalDraft`: any small `Transformer` that shares the target's tokenizer.
+
+The interface, in the terms of one row (`jspec.sampler.generate` drives it and does not know
+which kind it runs). A draft keeps a KV cache whose last slot is the *root's* slot: its output
+there gives the logits of the tree's first level. Slot j holds, for EAGLE-3, the pair (target
+feature at position j, token j + 1) at RoPE position j (the published pairing: the feature of a
+token meets the embedding of the next one); for an external draft, token j at position j.
+- `init_cache(batch, max_len)`: an empty cache for sequences of up to `max_len` target tokens.
+- `prefill(embed, prompt, lengths, root, features, cache)`: fill the empty cache from the prompt
+  and the first sampled token (`root`); returns the root's logits and hidden state.
+- `extend(embed, tokens, features, count, cache)`: after a verify step, append the emitted tokens
+  (`features[j]`: the target's taps at the position before `tokens[j]`); the last one is the new
+  root.
+- `tree_step(embed, tokens, parent_hidden, depth, parent, cache, tree)`: a level of the draft tree:
+  nodes at RoPE position (root slot's position + depth), anchored at the root's slot, below
+  earlier nodes (`TreeKV`) or the root (-1); returns their logits, hidden states and K/V.
+Logits always cover the target's whole vocabulary (-inf outside a draft vocabulary), in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int
+
+from jspec.attention import attention
+from jspec.config import ConfigError, ModelConfig
+from jspec.models.transformer import (
+    CacheWriter,
+    KVCache,
+    Transformer,
+    TreeKV,
+    _param,
+    attention_sublayer,
+    create,
+    create_sharded,
+    last_valid,
+    rms_norm,
+    rope_angles,
+    swiglu,
+)
+
+Taps = Float[Array, "taps b t d"]
+
+
+class DraftOut(NamedTuple):
+    """The draft at the root (or at tree nodes): logits over the target vocabulary, the hidden
+    state a child node takes as its feature (EAGLE-3; width 0 for an external draft), the cache."""
+
+    logits: Float[Array, "b v"]
+    hidden: Float[Array, "b h"]
+    cache: KVCache
+
+
+class Draft(Protocol):
+    """What `jspec.sampler.generate` needs of a draft model (see the module docstring)."""
+
+    num_layers: int  # layers of the draft's own cache and tree K/V
+    uses_taps: bool  # whether `prefill` and `extend` read the target's taps
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache: ...
+
+    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut: ...
+
+    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut: ...
+
+    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV): ...
+
+    def empty_tree(self, batch: int, capacity: int) -> TreeKV: ...
+
+
+def check_target(draft, target: ModelConfig) -> None:
+    """Raises ConfigError when the draft cannot serve this target (before any compilation)."""
+    if isinstance(draft, Eagle3Draft):
+        c = draft.config
+        target.check_taps("target model")
+        if c.layer.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"the EAGLE-3 draft's hidden_size={c.layer.hidden_size} differs from the target's "
+                f"{target.hidden_size}: the draft reads the target's embeddings and taps; use a "
+                "draft trained for this target."
+            )
+        if c.num_taps != len(target.taps):
+            raise ConfigError(
+                f"the EAGLE-3 draft fuses {c.num_taps} taps but the target gives "
+                f"{len(target.taps)} (model.tap_layers={target.taps})."
+            )
+        if c.layer.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"the EAGLE-3 draft maps its vocabulary into {c.layer.vocab_size} target tokens, "
+                f"but the target's vocabulary has {target.vocab_size} (d2t/t2d do not match)."
+            )
+        ids = np.asarray(jax.device_get(draft.target_ids[...]))
+        if ids.min() < 0 or ids.max() >= target.vocab_size or np.unique(ids).size != ids.size:
+            raise ConfigError(
+                "the EAGLE-3 draft's vocabulary map (d2t) sends draft ids outside the target's "
+                f"vocabulary of {target.vocab_size} or onto one target token twice."
+            )
+    elif isinstance(draft, ExternalDraft):
+        v = draft.model.config.vocab_size
+        if v != target.vocab_size:
+            raise ConfigError(
+                f"the external draft's vocab_size={v} differs from the target's "
+                f"{target.vocab_size}: an external draft must share the target's tokenizer."
+            )
+    else:
+        raise TypeError(f"{type(draft).__name__} is not a draft kind (Eagle3Draft, ExternalDraft).")
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3.
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 draft: `layer` is the shape of its one decoder layer (num_layers=1; vocab_size is
+    the target's, which the draft vocabulary maps into), with RoPE and norms like the target's."""
+
+    layer: ModelConfig
+    draft_vocab_size: int
+    num_taps: int = 3
+    norm_before_residual: bool = False
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int = 0) -> Eagle3Config:
+        """The usual draft of a target: its width, heads, MLP and RoPE, one layer, no q/k norm."""
+        layer = dataclasses.replace(target, num_layers=1, qk_norm=False, tap_layers=None)
+        return cls(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size)
+
+    def validate(self) -> None:
+        self.layer.validate("draft")
+        if self.layer.num_layers != 1:
+            raise ConfigError(f"an EAGLE-3 draft has one layer, not {self.layer.num_layers}.")
+        if not 1 <= self.draft_vocab_size <= self.layer.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [1, target vocabulary "
+                f"{self.layer.vocab_size}]."
+            )
+
+
+class VocabMap(nnx.Variable):
+    """Target token id of every draft token id: a constant, never trained."""
+
+
+class Eagle3Draft(nnx.Module):
+    """The EAGLE-3 draft head. Parameters carry logical axis names like the target's."""
+
+    num_layers = 1
+    uses_taps = True
+
+    def __init__(self, config: Eagle3Config, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        config.validate()
+        c = config.layer
+        d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        p = functools.partial(_param, rngs, dtype=jnp.dtype(c.param_dtype))
+        self.config, self.mesh = config, mesh
+        self.fc = p((config.num_taps * d, d), (None, "embed"), fan_in=config.num_taps * d)
+        self.input_norm = p((d,), ("norm",), fan_in=None)
+        self.hidden_norm = p((d,), ("norm",), fan_in=None)
+        self.wq = p((2 * d, h, e), (None, "heads", "head_dim"), fan_in=2 * d)
+        self.wk = p((2 * d, k, e), (None, "kv_heads", "head_dim"), fan_in=2 * d)
+        self.wv = p((2 * d, k, e), (None, "kv_heads", "head_dim"), fan_in=2 * d)
+        self.wo = p((h, e, d), ("heads", "head_dim", "embed"), fan_in=h * e)
+        self.mlp_norm = p((d,), ("norm",), fan_in=None)
+        self.w_gate = p((d, f), ("embed", "mlp"), fan_in=d)
+        self.w_up = p((d, f), ("embed", "mlp"), fan_in=d)
+        self.w_down = p((f, d), ("mlp", "embed"), fan_in=f)
+        self.final_norm = p((d,), ("norm",), fan_in=None)
+        self.lm_head = p((config.draft_vocab_size, d), ("vocab", "embed"), fan_in=d)
+        ids = np.arange(config.draft_vocab_size, dtype=np.int32)  # the first N ids until loaded
+        self.target_ids = VocabMap(jnp.asarray(ids), axes=(None,))
+
+    # -- the layer -----------------------------------------------------------------------------
+
+    def fuse(self, features: Taps) -> Float[Array, "b t d"]:
+        """The taps [3,B,T,D], concatenated in tap order and projected to the draft's width."""
+        cat = jnp.concatenate(list(features), axis=-1).astype(self._dtype)
+        return jnp.einsum("btf,fd->btd", cat, self.fc[...].astype(self._dtype))
+
+    def layer(self, emb_BTD, hidden_BTD, cos_sin, attend):
+        """The decoder layer: returns the output hidden state (the next step's feature) and the
+        rotated (k, v) [B,T,K,E]."""
+        c = self.config.layer
+        w = lambda p: p[...].astype(self._dtype)
+        normed = rms_norm(hidden_BTD, self.hidden_norm[...], c.rms_norm_eps)
+        h_BT2D = jnp.concatenate(
+            [rms_norm(emb_BTD.astype(self._dtype), self.input_norm[...], c.rms_norm_eps), normed],
+            axis=-1,
+        )
+        o_BTD, kv = attention_sublayer(
+            h_BT2D, w(self.wq), w(self.wk), w(self.wv), w(self.wo), cos_sin, attend,
+            eps=c.rms_norm_eps,
+        )  # fmt: skip
+        x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
+        h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        x_BTD = x_BTD + swiglu(h_BTD, w(self.w_gate), w(self.w_up), w(self.w_down))
+        return x_BTD, kv
+
+    def draft_logits(self, hidden_BTD) -> Float[Array, "b t vd"]:
+        """Logits over the draft vocabulary (float32)."""
+        x = rms_norm(hidden_BTD, self.final_norm[...], self.config.layer.rms_norm_eps)
+        w = self.lm_head[...].astype(x.dtype)
+        return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
+
+    def to_target_vocab(self, logits_d: Float[Array, "*b vd"]) -> Float[Array, "*b v"]:
+        """Draft-vocabulary logits placed at their target ids; -inf at every other target id."""
+        v = self.config.layer.vocab_size
+        full = jnp.full((*logits_d.shape[:-1], v), -jnp.inf, jnp.float32)
+        return full.at[..., self.target_ids[...]].set(logits_d)
+
+    def __call__(
+        self,
+        embeds: Float[Array, "b t d"],
+        features: Taps | Float[Array, "b t d"],
+        segment_ids: Int[Array, "b t"],
+        positions: Int[Array, "b t"],
+    ) -> tuple[Float[Array, "b t vd"], Float[Array, "b t d"]]:
+        """One causal pass over packed rows: position t pairs `embeds[t]` with `features[t]` (the
+        target's taps [3,B,T,D], fused here, or a fused or earlier-step hidden state [B,T,D]).
+        Returns logits over the draft vocabulary and the output hidden states."""
+        hidden = self.fuse(features) if features.ndim == 4 else features.astype(self._dtype)
+        attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
+        out, _ = self.layer(embeds, hidden, rope_angles(self.config.layer, positions), attend)
+        return self.draft_logits(out), out
+
+    # -- the Draft interface -------------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return _init_cache(self.config.layer, self.mesh, batch, max_len)
+
+    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut:
+        """Slots 0 .. n-1 of a prompt of n tokens: features of tokens 0 .. n-1 with tokens
+        1 .. n-1 and the root."""
+        b, t = prompt.shape
+        nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
+        nxt = jnp.where(jnp.arange(t) == lengths[:, None] - 1, root[:, None], nxt)
+        return self.extend(embed, nxt, features, lengths, cache)
+
+    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut:
+        writer = CacheWriter(cache, count, tokens.shape[1])
+        cos_sin = rope_angles(self.config.layer, writer.q_positions)
+        attend = functools.partial(writer.attend, 0)
+        out, _ = self.layer(_lookup(embed, tokens), self.fuse(features), cos_sin, attend)
+        last = last_valid(out, count)
+        return DraftOut(self._root_logits(last), last, writer.cache)
+
+    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
+        anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
+
+        def attend(q, k, v):
+            branch = tree.branch(0, q, k, v, anchor, parent)
+            kc, vc, seg, pos = cache.k[0], cache.v[0], cache.segment_ids, cache.positions
+            return attention(None, kc, vc, seg, pos, branch=branch)[1]
+
+        cos_sin = rope_angles(self.config.layer, positions)
+        out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)
+        return self.to_target_vocab(self.draft_logits(out)), out, k[None], v[None], anchor
+
+    def empty_tree(self, batch: int, capacity: int) -> TreeKV:
+        c = self.config.layer
+        return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @property
+    def _dtype(self):
+        return jnp.dtype(self.config.layer.dtype)
+
+    def _root_logits(self, hidden_BD):
+        return self.to_target_vocab(self.draft_logits(hidden_BD[:, None]))[:, 0]
+
+
+def _lookup(embed: Float[Array, "v d"], tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+    """The target's embedding of each token (padding tokens may be negative)."""
+    return jnp.take(embed, tokens, axis=0, mode="clip")
+
+
+def _init_cache(layer: ModelConfig, mesh, batch: int, max_len: int) -> KVCache:
+    """The one-layer cache; its length follows the target's positions, not the draft's
+    own max_seq_len (RoPE of the draft follows the target's)."""
+    layer = dataclasses.replace(layer, max_seq_len=max(max_len, layer.max_seq_len))
+    model = nnx.eval_shape(lambda: Transformer(layer, rngs=nnx.Rngs(0), mesh=mesh))
+    return model.init_cache(batch, max_len)
+
+
+def _tree_anchor_positions(cache: KVCache, depth, shape):
+    """Tree nodes hang off the root's slot (the last written) at its position + depth."""
+    root_slot = (cache.length - 1)[:, None]
+    anchor = jnp.broadcast_to(root_slot, shape).astype(jnp.int32)
+    return anchor, jnp.broadcast_to(root_slot + depth, shape).astype(jnp.int32)
+
+
+def create_eagle3(config: Eagle3Config, *, mesh: Mesh | None = None, seed: int = 0) -> Eagle3Draft:
+    """A randomly initialised EAGLE-3 draft, born sharded over `mesh` (as `models.create`)."""
+    return create_sharded(lambda: Eagle3Draft(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# External.
+
+
+class ExternalDraft(nnx.Module):
+    """A small decoder sharing the target's tokenizer, used as a draft: its cache mirrors the
+    target's sequence, root included; its tree levels are branch forwards (no hidden feature)."""
+
+    uses_taps = False
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_layers
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return self.model.init_cache(batch, max_len + 1)  # the root sits one slot ahead
+
+    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut:
+        """Slots 0 .. n: the prompt, then the root."""
+        b, t = prompt.shape
+        seq = jnp.concatenate([prompt, jnp.zeros((b, 1), prompt.dtype)], axis=1)
+        seq = jnp.where(jnp.arange(t + 1) == lengths[:, None], root[:, None], seq)
+        return self.extend(embed, seq, None, lengths + 1, cache)
+
+    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut:
+        logits, cache = self.model.prefill(tokens, cache, count)
+        return DraftOut(logits, jnp.zeros((tokens.shape[0], 0), logits.dtype), cache)
+
+    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
+        anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
+        logits, k, v = self.model.branch_forward(
+            cache, tokens, positions, anchor, parent, earlier=tree
+        )
+        return logits, parent_hidden, k, v, anchor
+
+    def empty_tree(self, batch: int, capacity: int) -> TreeKV:
+        c = self.model.config
+        return TreeKV.empty(
+            c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype)
+        )
+
+
+def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):
+    """The draft `config` (a `DraftConfig`) describes for `target`, checked against it; None for
+    kind 'none'. Loads `config.path` when given, else initialises randomly."""
+    from jspec.models import hf, hf_eagle3  # they import this module
+
+    config.validate()
+    if config.kind == "none":
+        return None
+    if config.kind == "eagle3":
+        if config.path is not None:
+            draft, _ = hf_eagle3.load(config.path, mesh=mesh)
+        else:
+            layer = Eagle3Config.for_target(target.config, config.vocab_size)
+            draft = create_eagle3(layer, mesh=mesh, seed=seed)
+    elif config.path is not None:
+        draft = ExternalDraft(hf.load(config.path, mesh=mesh))
+    else:
+        draft = ExternalDraft(create(config.model, mesh=mesh, seed=seed))
+    check_target(draft, target.config)
+    return draft

@@ -1,0 +1,48 @@
+"""The jitted speculative sampler: the sampling transform, draft trees, lossless verification,
+and `generate`.
+
+`jspec.sampler.verify` is the contract's function (DESIGN.md); it lives in
+`jspec.sampler.acceptance`, and `generate` in `jspec.sampler.decoding`: the modules to patch in
+tests.
+"""
+
+from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
+from jspec.sampler.decoding import Rollout, RolloutStats, generate, rollout
+from jspec.sampler.sampling import sample, sample_from_probs, sampling_probs
+from jspec.sampler.tree import (
+    BranchLayout,
+    DynamicTreeState,
+    Frontier,
+    StaticTree,
+    Tree,
+    branch_layout,
+    build_dynamic_tree,
+    build_static_tree,
+    dynamic_tree_finish,
+    dynamic_tree_init,
+    dynamic_tree_step,
+)
+
+__all__ = [
+    "BranchLayout",
+    "DynamicTreeState",
+    "Frontier",
+    "Rollout",
+    "RolloutStats",
+    "StaticTree",
+    "Tree",
+    "Verdict",
+    "branch_layout",
+    "build_dynamic_tree",
+    "build_static_tree",
+    "dynamic_tree_finish",
+    "dynamic_tree_init",
+    "dynamic_tree_step",
+    "emitted_tokens",
+    "generate",
+    "sample",
+    "sample_from_probs",
+    "rollout",
+    "sampling_probs",
+    "verify",
+]

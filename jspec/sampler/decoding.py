@@ -1,0 +1,357 @@
+"""Batched speculative generation in one jitted program, with static shapes.
+
+One verify step, for every row at once:
+
+    draft tree (chain, static or EAGLE-2 dynamic) from the draft's root logits
+      -> the target's branch forward over root + tree against its KV cache (one forward)
+      -> `verify`: accepted path and the next token, lossless
+      -> emitted tokens cut at EOS and at max_new_tokens; written out with their log-probabilities
+      -> the root and accepted nodes' K/V appended to the target's cache; the draft extended by
+         the emitted tokens and the target's taps at the nodes before them.
+
+The last emitted token becomes the next root (sampled, not yet in the cache). Plain decoding is the
+same loop with a tree of no nodes, so the two compare on equal terms. The loop runs while any row is
+active (`lax.while_loop`); every size is static: caches of prompt length + max_new_tokens slots,
+trees of a fixed node count. Each generated token's log-probability is taken under the target's
+sampling distribution (after temperature, top-k and top-p: `sampling_probs`, the law `verify`
+preserves), as the policy loss needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jspec.attention.zigzag import concrete
+from jspec.config import ConfigError, RolloutConfig, TreeConfig
+from jspec.models.draft import Draft, DraftOut, check_target
+from jspec.models.transformer import Transformer, TreeKV
+from jspec.sampler.acceptance import emitted_tokens, verify
+from jspec.sampler.sampling import sample_from_probs, sampling_probs
+from jspec.sampler.tree import (
+    StaticTree,
+    Tree,
+    branch_layout,
+    build_dynamic_tree,
+    build_static_tree,
+)
+
+
+class RolloutStats(NamedTuple):
+    """Acceptance statistics of one `generate` call.
+
+    steps [B]: target forwards after the prefill while the row was active (verify steps).
+    accepted [B]: draft tokens accepted and emitted.
+    reached_depth [D]: over all rows and steps, how many accepted paths reached depth d = 1..D.
+    accepted_non_first [B]: accepted nodes that were not their parent's first child (siblings
+      earn their place only through these).
+    failed [B]: rows whose results must not be used (a prompt length out of range, or a cache
+      overflow, possible only when `rollout` is traced with unknown lengths).
+    """
+
+    steps: Int[Array, " b"]
+    accepted: Int[Array, " b"]
+    reached_depth: Int[Array, " d"]
+    accepted_non_first: Int[Array, " b"]
+    failed: Bool[Array, " b"]
+
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
+        steps = int(np.sum(self.steps))
+        return 1.0 + int(np.sum(self.accepted)) / max(steps, 1)
+
+    def acceptance_per_depth(self) -> np.ndarray:
+        """Fraction of verify steps whose accepted path reached each depth."""
+        return np.asarray(self.reached_depth) / max(int(np.sum(self.steps)), 1)
+
+
+class Rollout(NamedTuple):
+    """Generated completions: tokens [B,M] (-1 after each row's length), lengths [B] (an EOS
+    included), log-probabilities [B,M] (0 after the length) and acceptance statistics."""
+
+    tokens: Int[Array, "b m"]
+    lengths: Int[Array, " b"]
+    logprobs: Float[Array, "b m"]
+    stats: RolloutStats
+
+
+class _Loop(NamedTuple):
+    cache: Any
+    draft: DraftOut | None
+    root: Int[Array, " b"]
+    tokens: Int[Array, "b m"]
+    logprobs: Float[Array, "b m"]
+    length: Int[Array, " b"]
+    done: Bool[Array, " b"]
+    stats: RolloutStats
+    key: jax.Array
+
+
+def generate(
+    target: Transformer,
+    draft: Draft | None,
+    prompts: Int[Array, "b t"],
+    prompt_lengths: Int[Array, " b"],
+    key: jax.Array,
+    config: RolloutConfig,
+) -> Rollout:
+    """Completions of right-padded prompts (row b: its first `prompt_lengths[b]` tokens).
+
+    `draft` None decodes plainly; otherwise `config.tree` says which tree it proposes. Every
+    argument is checked before compilation; the program is compiled once per shape and config.
+    """
+    check_generate_args(target, draft, prompts, prompt_lengths, config)
+    target_def, target_state = nnx.split(target)
+    draft_def, draft_state = nnx.split(draft) if draft is not None else (None, None)
+    return _generate(
+        target_def, draft_def, target_state, draft_state, prompts, prompt_lengths, key,
+        config=config,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config"))
+def _generate(target_def, draft_def, target_state, draft_state, prompts, lengths, key, *, config):
+    target = nnx.merge(target_def, target_state)
+    draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
+    return rollout(target, draft, prompts, lengths, key, config)
+
+
+def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutConfig) -> None:
+    """Raises a clear error for arguments `generate` cannot run with."""
+    config.validate(target.config)
+    if draft is not None:
+        check_target(draft, target.config)
+    if getattr(prompts, "ndim", None) != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(
+            f"prompts must be an integer array [batch, tokens], got "
+            f"{getattr(prompts, 'dtype', type(prompts))}{getattr(prompts, 'shape', '')}."
+        )
+    b, t = prompts.shape
+    if np.shape(prompt_lengths) != (b,):
+        raise ValueError(f"prompt_lengths {np.shape(prompt_lengths)} must be [batch]=[{b}].")
+    total = t + config.max_new_tokens
+    if total > target.config.max_seq_len:
+        raise ConfigError(
+            f"prompts of {t} tokens plus rollout.max_new_tokens={config.max_new_tokens} need a "
+            f"cache of {total} slots, more than model.max_seq_len={target.config.max_seq_len}; "
+            "shorten the prompts or max_new_tokens."
+        )
+    if concrete(prompt_lengths):
+        n = np.asarray(prompt_lengths)
+        bad = np.flatnonzero((n < 1) | (n > t))
+        if bad.size:
+            raise ValueError(
+                f"prompt_lengths[{bad[0]}]={n[bad[0]]} is outside [1, {t}]: every prompt needs at "
+                f"least one token and at most the {t} columns of `prompts`."
+            )
+
+
+def rollout(
+    target: Transformer,
+    draft: Draft | None,
+    prompts: Int[Array, "b t"],
+    lengths: Int[Array, " b"],
+    key: jax.Array,
+    config: RolloutConfig,
+) -> Rollout:
+    """The traceable body of `generate` (call it inside your own `jit`)."""
+    b, t = prompts.shape
+    m = config.max_new_tokens
+    lengths = jnp.asarray(lengths, jnp.int32)
+    failed = (lengths < 1) | (lengths > t)
+    lengths = jnp.clip(lengths, 1, t)
+    embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
+    uses_taps = draft is not None and draft.uses_taps
+    first_key, key = jax.random.split(key)
+
+    out = target.prefill(prompts, target.init_cache(b, t + m), lengths, taps=uses_taps)
+    logits, cache = out[:2]
+    probs = _sampling_probs(logits, config)
+    root = sample_from_probs(first_key, probs)
+    tokens = jnp.full((b, m), -1, jnp.int32).at[:, 0].set(root)
+    logprobs = jnp.zeros((b, m), jnp.float32).at[:, 0].set(_log_at(probs, root))
+    draft_out = None
+    if draft is not None:
+        features = out[2] if uses_taps else None
+        draft_cache = draft.init_cache(b, t + m)
+        draft_out = draft.prefill(embed, prompts, lengths, root, features, draft_cache)
+    depth = _tree_depth(config.tree) if draft is not None else 0
+    stats = RolloutStats(
+        steps=jnp.zeros((b,), jnp.int32),
+        accepted=jnp.zeros((b,), jnp.int32),
+        reached_depth=jnp.zeros((depth,), jnp.int32),
+        accepted_non_first=jnp.zeros((b,), jnp.int32),
+        failed=failed,
+    )
+    done = _stops(root, config) | (m == 1)
+    state = _Loop(cache, draft_out, root, tokens, logprobs, jnp.ones((b,), jnp.int32), done,
+                  stats, key)  # fmt: skip
+    step = functools.partial(_verify_step, target, draft, embed, config)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    stats = state.stats._replace(failed=state.stats.failed | state.cache.overflowed)
+    return Rollout(state.tokens, state.length, state.logprobs, stats)
+
+
+def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop:
+    """Draft a tree, verify it in one target forward, emit, and advance both caches."""
+    b, m = s.tokens.shape
+    key, tree_key, verify_key = jax.random.split(s.key, 3)
+    if draft is None:
+        empty = jnp.zeros((b, 0), jnp.int32)
+        tree = Tree(empty, empty, empty)
+    else:
+        tree = propose(draft, embed, s.draft, tree_key, config)
+    layout = branch_layout(tree, s.root, s.cache.length - 1)
+    positions = s.cache.length[:, None] + layout.depth
+    out = target.branch_forward(
+        s.cache, layout.tokens, positions, layout.anchor, layout.parent,
+        taps=draft is not None and draft.uses_taps,
+    )  # fmt: skip
+    logits, k, v = out[:3]
+    sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    verdict = verify(verify_key, tree.tokens, tree.parents, logits, tree.draft_probs, **sampling)
+    emitted = emitted_tokens(tree.tokens, verdict)  # [B, N+1]
+    # Node (branch index) before each emitted token: the root, then the accepted path.
+    source = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path + 1], axis=1)
+    source = jnp.maximum(source, 0)
+    count = _emit_count(emitted, verdict.num_accepted + 1, s.length, s.done, config)
+
+    j = jnp.arange(emitted.shape[1])
+    slot = jnp.where(j < count[:, None], s.length[:, None] + j, m)
+    rows = jnp.arange(b)[:, None]
+    probs = jnp.take_along_axis(_sampling_probs(logits, config), source[..., None], axis=1)
+    tokens = s.tokens.at[rows, slot].set(emitted, mode="drop")
+    logprobs = s.logprobs.at[rows, slot].set(_log_at(probs, jnp.maximum(emitted, 0)), mode="drop")
+    length = s.length + count
+    last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    emitted_eos = jnp.any(_stops(emitted, config) & (j < count[:, None]), axis=1)
+
+    pick = lambda x: jnp.take_along_axis(x, source.reshape(1, b, -1, *([1] * (x.ndim - 3))), 2)
+    cache = s.cache.append(pick(k), pick(v), count)
+    draft_out = s.draft
+    if draft is not None:
+        features = pick(out[3]) if draft.uses_taps else None
+        new = draft.extend(embed, emitted, features, count, s.draft.cache)
+        keep = (count > 0)[:, None]
+        draft_out = DraftOut(
+            jnp.where(keep, new.logits, s.draft.logits),
+            jnp.where(keep, new.hidden, s.draft.hidden),
+            new.cache,
+        )
+    active = ~s.done
+    accepted = jnp.maximum(count - 1, 0)
+    d = jnp.arange(1, s.stats.reached_depth.shape[0] + 1)
+    stats = s.stats._replace(
+        steps=s.stats.steps + active,
+        accepted=s.stats.accepted + accepted,
+        reached_depth=s.stats.reached_depth + jnp.sum(accepted[:, None] >= d, axis=0),
+        accepted_non_first=s.stats.accepted_non_first
+        + _non_first_accepted(tree.parents, verdict.path, accepted),
+    )
+    return _Loop(
+        cache, draft_out, jnp.where(count > 0, last, s.root), tokens, logprobs, length,
+        s.done | emitted_eos | (length >= m), stats, key,
+    )  # fmt: skip
+
+
+def _emit_count(emitted, count, length, done, config: RolloutConfig):
+    """Tokens of each row actually emitted: cut after the first EOS and at max_new_tokens."""
+    j = jnp.arange(emitted.shape[1])
+    eos = _stops(emitted, config) & (j < count[:, None])
+    through_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1) + 1, count)
+    count = jnp.minimum(jnp.minimum(count, through_eos), config.max_new_tokens - length)
+    return jnp.where(done, 0, count)
+
+
+def _stops(tokens, config: RolloutConfig):
+    if config.eos_id is None:
+        return jnp.zeros(tokens.shape, bool)
+    return tokens == config.eos_id
+
+
+def _non_first_accepted(parents, path, accepted):
+    """Per row, accepted nodes (the first `accepted` of `path`) that have an earlier sibling."""
+    n = parents.shape[1]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [i, j]: j < i
+    has_earlier_sibling = jnp.any((parents[:, :, None] == parents[:, None, :]) & earlier, axis=2)
+    on_path = jnp.take_along_axis(has_earlier_sibling, jnp.maximum(path, 0), axis=1)
+    return jnp.sum(on_path & (jnp.arange(n) < accepted[:, None]), axis=1)
+
+
+def _sampling_probs(logits, config: RolloutConfig):
+    return sampling_probs(
+        logits, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k
+    )
+
+
+def _log_at(probs, tokens):
+    p = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    return jnp.log(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees.
+
+
+class _TreeCarry(NamedTuple):
+    hidden: Float[Array, "b m h"]  # the draft's hidden state at the previous frontier
+    tree: TreeKV  # K/V of the nodes expanded so far
+    offset: Int[Array, ""]  # where the next frontier's nodes go in `tree`
+    previous: Int[Array, ""]  # where the previous frontier's nodes are
+
+
+def _static_shape(tree: TreeConfig) -> StaticTree:
+    return StaticTree.chain(tree.depth) if tree.kind == "chain" else StaticTree(tree.parents)
+
+
+def _tree_depth(tree: TreeConfig) -> int:
+    return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
+
+
+def _tree_capacity(tree: TreeConfig) -> int:
+    """Nodes that get expanded (have children drawn below them), over all levels below the root."""
+    if tree.kind == "dynamic":
+        return (tree.depth - 1) * tree.top_k
+    shape = _static_shape(tree)
+    return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
+
+
+def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> Tree:
+    """The draft's tree below the root, as `config.tree` describes it."""
+    tc = config.tree
+    b = root.logits.shape[0]
+    frontier = tc.top_k if tc.kind == "dynamic" else 1
+    carry = _TreeCarry(
+        hidden=jnp.broadcast_to(root.hidden[:, None], (b, frontier, root.hidden.shape[-1])),
+        tree=draft.empty_tree(b, max(_tree_capacity(tc), 1)),
+        offset=jnp.int32(0),
+        previous=jnp.int32(0),
+    )
+
+    def step(frontier, carry: _TreeCarry):
+        slot = jnp.maximum(frontier.parent_slot, 0)[..., None]
+        parent_hidden = jnp.take_along_axis(carry.hidden, slot, axis=1)
+        parent = jnp.where(frontier.parent_slot >= 0, carry.previous + frontier.parent_slot, -1)
+        logits, hidden, k, v, anchor = draft.tree_step(
+            embed, frontier.tokens, parent_hidden, frontier.depth, parent, root.cache, carry.tree
+        )
+        tree = carry.tree.add(k, v, anchor, parent, carry.offset)
+        offset = carry.offset + frontier.tokens.shape[1]
+        return logits, _TreeCarry(hidden, tree, offset, carry.offset)
+
+    if tc.kind == "dynamic":
+        tree, _ = build_dynamic_tree(
+            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
+        )
+        return tree
+    sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    tree, _ = build_static_tree(
+        _static_shape(tc), root.logits, step, carry, key=key if tc.sampled else None, **sampling
+    )
+    return tree

@@ -1,0 +1,78 @@
+"""Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.scipy.special import gammaincc
+
+
+def close(got, want, rtol=1e-5):
+    """Max abs difference within rtol of the scale (max abs) of `want`."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err, scale = np.abs(got - want).max(), np.abs(want).max()
+    assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
+
+
+def chi_square_p_value(codes, joint) -> float:
+    """Pearson's test of the observed codes against `joint`; cells expecting < 5 are pooled, and
+    a draw in a cell of probability 0 fails outright."""
+    observed = np.bincount(np.asarray(codes), minlength=joint.size).astype(np.float64)
+    if observed[joint == 0].sum() > 0:
+        return 0.0
+    expected = observed.sum() * joint
+    big = expected >= 5
+    observed = np.append(observed[big], observed[~big & (joint > 0)].sum())
+    expected = np.append(expected[big], expected[~big & (joint > 0)].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    stat = np.sum((observed - expected) ** 2 / expected)
+    return float(gammaincc((expected.size - 1) / 2, stat / 2))
+
+
+def noisy_copy(model, scale: float, seed: int = 0):
+    """The model with Gaussian noise of `scale` times each parameter's RMS added to it: a draft
+    that agrees with the model only in part."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [
+        w + scale * jnp.sqrt(jnp.mean(w * w)) * jax.random.normal(k, w.shape, w.dtype)
+        for w, k in zip(leaves, keys, strict=True)
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+def distill_eagle3(target, draft, sequences, lengths, steps: int, learning_rate: float = 1e-2):
+    """Trains an EAGLE-3 draft's first step on the target's greedy choices over `sequences`
+    (right-padded rows of `lengths` tokens): draft position t (target taps at t, embedding of
+    token t + 1) learns the target's argmax at t + 1. Returns the trained draft."""
+    b, t = sequences.shape
+    valid = jnp.arange(t) < jnp.asarray(lengths)[:, None]
+    logits, taps = target(sequences, valid.astype(jnp.int32), taps=True)
+    labels = jnp.argmax(logits[:, 1:], axis=-1)
+    embeds = target.embed[...][sequences[:, 1:]]
+    mask = valid[:, 1:]
+    seg = mask.astype(jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    optimizer = optax.adam(learning_rate)
+
+    def loss(params):
+        draft_logits, _ = nnx.merge(graphdef, params, rest)(embeds, taps[:, :, :-1], seg, pos)
+        full = nnx.merge(graphdef, params, rest).to_target_vocab(draft_logits)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(full), labels[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
+
+    @jax.jit
+    def step(params, opt_state):
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = optimizer.init(params)
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+    return nnx.merge(graphdef, params, rest)

@@ -1,0 +1,127 @@
+"""The EAGLE-3 draft: its layer against an independent PyTorch implementation of the published
+draft (expected logits in fixtures/eagle3-tiny, see its README), both public checkpoint layouts,
+exact round trips, and clear errors for checkpoints that do not fit."""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import close
+from safetensors.numpy import load_file, save_file
+
+from jspec.config import ConfigError, ModelConfig
+from jspec.models import create, hf
+from jspec.models import hf_eagle3 as eagle_io
+from jspec.models.draft import check_target
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
+
+
+def fixture_logits(draft, embedding):
+    """The draft's logits on the fixture's case: one causal pass over positions 0..15."""
+    case = np.load(FIXTURE / "case.npz")
+    ids, hidden = case["input_ids"], case["hidden_states"]
+    b, t = ids.shape
+    taps = jnp.stack(jnp.split(jnp.asarray(hidden), 3, axis=-1))  # concatenated in tap order
+    seg = jnp.ones((b, t), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _ = draft(jnp.asarray(embedding[ids]), taps, seg, pos)
+    return logits, case["logits"]
+
+
+def test_logits_match_the_reference_implementation():
+    draft, found = eagle_io.load(FIXTURE)
+    assert found.layout == "eagle" and not found.norm_before_residual
+    assert found.embedding is not None and "own embed_tokens" in found.describe()
+    got, want = fixture_logits(draft, found.embedding)
+    close(got, want, rtol=1e-5)
+
+
+def rename_layer(src, dst, prefix="layers.0", drop=(), config_edit=None):
+    """A copy of a checkpoint with the decoder layer under `prefix` and some tensors dropped."""
+    dst.mkdir()
+    tensors = {
+        k.replace("midlayer.", f"{prefix}."): v
+        for k, v in load_file(src / "model.safetensors").items()
+        if k not in drop
+    }
+    save_file(tensors, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **(config_edit or {})}))
+    return dst
+
+
+def test_speculators_layout_without_embedding_loads_the_same(tmp_path):
+    path = rename_layer(FIXTURE, tmp_path / "spec", drop=("embed_tokens.weight",))
+    draft, found = eagle_io.load(path)
+    assert found.layout == "speculators" and found.embedding is None
+    embedding = eagle_io.load(FIXTURE)[1].embedding  # the target's, here the fixture's copy
+    got, want = fixture_logits(draft, embedding)
+    close(got, want, rtol=1e-5)
+
+
+def test_norm_before_residual_is_read_and_changes_the_layer(tmp_path):
+    edit = {"norm_before_residual": True}
+    path = rename_layer(FIXTURE, tmp_path / "nbr", "midlayer", config_edit=edit)
+    draft, found = eagle_io.load(path)
+    assert found.norm_before_residual and draft.config.norm_before_residual
+    got, want = fixture_logits(draft, found.embedding)
+    assert np.abs(np.asarray(got) - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_save_then_load_round_trips_exactly(tmp_path, layout):
+    draft, found = eagle_io.load(FIXTURE)
+    eagle_io.save(tmp_path, draft, layout=layout, embedding=found.embedding)
+    again, found_again = eagle_io.load(tmp_path)
+    assert found_again.layout == layout
+    np.testing.assert_array_equal(found_again.embedding, found.embedding)
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(draft)), nnx.to_flat_state(nnx.state(again)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    original = load_file(FIXTURE / "model.safetensors")
+    written = load_file(tmp_path / "model.safetensors")
+    if layout == "eagle":  # the public file itself comes back, d2t and t2d included
+        assert written.keys() == original.keys()
+        for key in original:
+            np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+
+
+def test_draft_fits_only_a_target_of_its_shape():
+    draft, _ = eagle_io.load(FIXTURE)
+    layer = draft.config.layer
+    fits = ModelConfig(
+        vocab_size=300, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128,
+    )  # fmt: skip
+    check_target(draft, fits)
+    with pytest.raises(ConfigError, match="hidden_size=64 differs from the target's 32"):
+        check_target(draft, ModelConfig(**{**vars(fits), "hidden_size": 32}))
+    with pytest.raises(ConfigError, match="maps its vocabulary into 300 target tokens"):
+        check_target(draft, ModelConfig(**{**vars(fits), "vocab_size": 400}))
+    with pytest.raises(ConfigError, match="a model of 2 layers has fewer than 3"):
+        check_target(draft, ModelConfig(**{**vars(fits), "num_layers": 2}))
+    assert layer.num_layers == 1
+
+
+def test_checkpoint_mistakes_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        eagle_io.load(tmp_path)
+    bad = rename_layer(FIXTURE, tmp_path / "no-layer", "decoder")
+    with pytest.raises(ValueError, match="no decoder layer found"):
+        eagle_io.load(bad)
+    shutil.copytree(FIXTURE, tmp_path / "d2t")
+    tensors = load_file(tmp_path / "d2t" / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + 250  # past the 300-token target vocabulary
+    save_file(tensors, tmp_path / "d2t" / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t maps draft ids outside the target vocabulary"):
+        eagle_io.load(tmp_path / "d2t")
+    target_model = create(ModelConfig(vocab_size=300, hidden_size=64, num_layers=3))
+    hf.save(tmp_path / "target", target_model)
+    with pytest.raises(ValueError, match="no draft_vocab_size"):
+        eagle_io.load(tmp_path / "target")

@@ -1,0 +1,270 @@
+"""`generate`: speculative decoding equals plain decoding (greedy, token for token), keeps the
+target's law (sampling, chi-square), returns the target's log-probabilities, compiles once, and
+refuses bad input before compiling.
+
+Compilation dominates on the CPU: every test of one kind shares its shapes.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import chi_square_p_value, distill_eagle3, noisy_copy
+
+import jspec.sampler.acceptance as acceptance
+import jspec.sampler.decoding as decoding
+from jspec.config import ConfigError, ModelConfig, RolloutConfig, TreeConfig
+from jspec.models import create
+from jspec.models.draft import Eagle3Config, ExternalDraft, create_eagle3
+from jspec.sampler import generate, sampling_probs
+
+CONFIG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    max_seq_len=64,
+)
+NEW = 13  # 1 token from the prefill, then 3 verify steps of 4 tokens (a 3-node chain + 1)
+TREES = {
+    "chain": TreeConfig(kind="chain", depth=3),
+    "static": TreeConfig(kind="static", parents=(-1, -1, 0, 0, 1, 2), sampled=False),
+    "dynamic": TreeConfig(kind="dynamic", depth=3, top_k=2, total_tokens=6),
+}
+
+
+def random_prompts(rows, t, seed, vocab=CONFIG.vocab_size):
+    """Right-padded prompts of mixed lengths in [2, t]."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, t + 1, rows).astype(np.int32)
+    tokens = rng.integers(0, vocab, (rows, t)).astype(np.int32)
+    return jnp.asarray(np.where(np.arange(t) < lengths[:, None], tokens, 0)), jnp.asarray(lengths)
+
+
+def greedy(**kw):
+    return RolloutConfig(max_new_tokens=NEW, temperature=0.0, **kw)
+
+
+def most_staggered_eos(tokens):
+    """The token whose first appearance falls at the most different steps across rows (absent
+    from at least one row), so rows stop at different steps and some run to the end."""
+    tokens = np.asarray(tokens)
+    best, best_spread = None, 0
+    for v in np.unique(tokens[:, 1:]):
+        firsts = [int(np.argmax(row == v)) for row in tokens if (row[1:] == v).any()]
+        if len(firsts) < len(tokens) and len(set(firsts)) > best_spread:
+            best, best_spread = int(v), len(set(firsts))
+    return best
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A target, two partly agreeing drafts, 8 test prompts, an EOS id, and plain greedy output."""
+    target = create(CONFIG, seed=0)
+    prompts, lengths = random_prompts(8, 5, seed=1)
+    # The EAGLE-3 draft learns the target's greedy continuations of these prompts and 120 others.
+    more, more_lengths = random_prompts(120, 5, seed=2)
+    train_prompts = jnp.concatenate([prompts, more])
+    train_lengths = jnp.concatenate([lengths, more_lengths])
+    data = generate(target, None, train_prompts, train_lengths, jax.random.key(0), greedy())
+    rows = []
+    host = [np.asarray(x) for x in (train_prompts, train_lengths, data.tokens)]
+    for p, n, g in zip(*host, strict=True):
+        rows.append(np.concatenate([p[:n], g, np.zeros(5 - n, np.int32)]))
+    eagle = create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)
+    eagle = distill_eagle3(target, eagle, jnp.asarray(np.stack(rows)), train_lengths + NEW, 200)
+    drafts = {"eagle3": eagle, "external": ExternalDraft(noisy_copy(target, 0.1))}
+    eos = most_staggered_eos(data.tokens[:8])
+    plain = generate(target, None, prompts, lengths, jax.random.key(0), greedy(eos_id=eos))
+    assert len(set(np.asarray(plain.lengths).tolist())) >= 3 and max(plain.lengths) == NEW
+    return dict(
+        target=target, drafts=drafts, prompts=prompts, lengths=lengths, eos=eos, plain=plain
+    )
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("kind", ["eagle3", "external"])
+def test_greedy_speculative_equals_plain(setup, kind, tree):
+    s = setup
+    config = greedy(eos_id=s["eos"], tree=TREES[tree])
+    draft = s["drafts"][kind]
+    got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    mean = got.stats.mean_accepted_length()
+    assert 1.5 <= mean <= 3, f"mean accepted length {mean}: the draft should agree only in part"
+    assert not np.asarray(got.stats.failed).any()
+    if tree != "chain":
+        assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the first three tokens follow the target's law exactly.
+
+SMALL = ModelConfig(
+    vocab_size=8,
+    hidden_size=16,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+    max_seq_len=16,
+)
+PROMPT = (3, 1, 4)
+TRIALS = 20_000
+P_VALUE = 1e-3
+LOSSLESS = {
+    "sampled chain": dict(
+        temperature=0.8, top_p=0.85, tree=TreeConfig(kind="chain", depth=2, sampled=True)
+    ),
+    "point-mass dynamic tree": dict(
+        temperature=1.0,
+        top_p=0.8,
+        tree=TreeConfig(kind="dynamic", depth=2, top_k=2, total_tokens=4),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def small():
+    target = create(SMALL, seed=1)
+    return target, ExternalDraft(noisy_copy(target, 1.0, seed=1))
+
+
+def forward_probs(target, prefixes, temperature, top_p):
+    """The target's sampling distribution after each prompt + prefix, by the training forward."""
+    t = len(PROMPT) + max(len(p) for p in prefixes)
+    rows = [list(PROMPT) + list(p) for p in prefixes]
+    tokens = np.array([r + [0] * (t - len(r)) for r in rows], np.int32)
+    seg = (np.arange(t) < np.array([len(r) for r in rows])[:, None]).astype(np.int32)
+    logits = target(jnp.asarray(tokens), jnp.asarray(seg))
+    last = logits[np.arange(len(rows)), [len(r) - 1 for r in rows]]
+    return np.asarray(sampling_probs(last, temperature=temperature, top_p=top_p), np.float64)
+
+
+def exact_joint(target, temperature, top_p):
+    """Probability of every 3-token continuation, one token at a time from the target."""
+    v = SMALL.vocab_size
+    first = forward_probs(target, [()], temperature, top_p)[0]
+    second = forward_probs(target, [(a,) for a in range(v)], temperature, top_p)
+    third = forward_probs(target, [(a, b) for a in range(v) for b in range(v)], temperature, top_p)
+    return (first[:, None, None] * second[:, :, None] * third.reshape(v, v, v)).reshape(-1)
+
+
+def sample_codes(small, case, seed=0):
+    target, draft = small
+    config = RolloutConfig(max_new_tokens=3, **case)
+    prompts = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (TRIALS, len(PROMPT)))
+    lengths = jnp.full((TRIALS,), len(PROMPT), jnp.int32)
+    out = generate(target, draft, prompts, lengths, jax.random.key(seed), config)
+    tokens = np.asarray(out.tokens)
+    return tokens[:, 0] * 64 + tokens[:, 1] * 8 + tokens[:, 2], out
+
+
+@pytest.mark.parametrize("case", LOSSLESS)
+def test_speculative_sampling_is_lossless(small, case):
+    c = LOSSLESS[case]
+    codes, out = sample_codes(small, c)
+    assert chi_square_p_value(codes, exact_joint(small[0], c["temperature"], c["top_p"])) > P_VALUE
+    assert out.stats.mean_accepted_length() > 1.2  # the draft's proposals are really tested
+    # The log-probabilities returned are the target's, recomputed by a full forward.
+    tokens = np.asarray(out.tokens[:16])
+    probs = lambda i: forward_probs(small[0], [r[:i] for r in tokens], c["temperature"], c["top_p"])
+    want = [np.log(probs(i)[np.arange(16), tokens[:, i]]) for i in range(3)]
+    np.testing.assert_allclose(out.logprobs[:16], np.stack(want, axis=1), atol=1e-5)
+
+
+def test_a_verifier_that_skips_top_p_is_caught(small, monkeypatch):
+    """The chi-square test has the power to see a verifier that ignores top-p."""
+    c = LOSSLESS["sampled chain"]
+    skip_top_p = lambda logits, temperature, top_p, top_k: sampling_probs(
+        logits, temperature=temperature, top_k=top_k
+    )
+    monkeypatch.setattr(acceptance, "_target_probs", skip_top_p)
+    for f in (acceptance._verify, decoding._generate):
+        f.clear_cache()
+    try:
+        codes, _ = sample_codes(small, c)
+    finally:
+        for f in (acceptance._verify, decoding._generate):
+            f.clear_cache()
+    assert chi_square_p_value(codes, exact_joint(small[0], c["temperature"], c["top_p"])) < P_VALUE
+
+
+# ---------------------------------------------------------------------------------------------
+# An identical draft; compilation.
+
+
+def test_identical_draft_accepts_everything_and_generate_compiles_once(setup):
+    target = setup["target"]
+    config = RolloutConfig(max_new_tokens=NEW, temperature=1.0, tree=TREES["chain"])
+    before = decoding._generate._cache_size()
+    for seed in (3, 4):
+        prompts, lengths = random_prompts(8, 5, seed=seed)
+        key = jax.random.key(seed)
+        out = generate(target, ExternalDraft(target), prompts, lengths, key, config)
+        np.testing.assert_array_equal(out.stats.steps, 3)
+        np.testing.assert_array_equal(out.stats.accepted, 9)
+        np.testing.assert_array_equal(out.lengths, NEW)
+    assert decoding._generate._cache_size() - before == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def draft_with(**changes):
+    return create_eagle3(dataclasses.replace(Eagle3Config.for_target(CONFIG), **changes))
+
+
+BAD = {
+    "prompt longer than the cache": (dict(max_new_tokens=60), None, r"need a cache of 65 slots"),
+    "tree beyond the verify budget": (
+        dict(tree=TreeConfig(depth=10, verify_budget=8)),
+        None,
+        r"tree of 10 nodes exceeds rollout.tree.verify_budget=8",
+    ),
+    "top_p of 0": (dict(top_p=0.0), None, r"rollout.top_p=0.0 must be in \(0, 1\]"),
+    "top_p above 1": (dict(top_p=1.5), None, r"rollout.top_p=1.5 must be in \(0, 1\]"),
+    "negative temperature": (dict(temperature=-1.0), None, r"temperature=-1.0 must be >= 0"),
+    "EOS outside the vocabulary": (dict(eos_id=64), None, r"eos_id=64 is not a token"),
+    "draft of another width": (
+        {},
+        lambda: create_eagle3(Eagle3Config.for_target(dataclasses.replace(CONFIG, hidden_size=48))),
+        r"hidden_size=48 differs from the target's 32",
+    ),
+    "draft fusing two taps": ({}, lambda: draft_with(num_taps=2), r"fuses 2 taps"),
+    "draft vocabulary map of another target": (
+        {},
+        lambda: create_eagle3(Eagle3Config.for_target(dataclasses.replace(CONFIG, vocab_size=80))),
+        r"maps its vocabulary into 80 target tokens",
+    ),
+    "external draft with another tokenizer": (
+        {},
+        lambda: ExternalDraft(create(dataclasses.replace(CONFIG, vocab_size=32))),
+        r"vocab_size=32 differs",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_named(setup, name):
+    changes, make_draft, message = BAD[name]
+    prompts, lengths = random_prompts(2, 5, seed=0)
+    with pytest.raises((ConfigError, ValueError), match=message):
+        config = RolloutConfig(max_new_tokens=4, **changes)
+        draft = make_draft and make_draft()
+        generate(setup["target"], draft, prompts, lengths, jax.random.key(0), config)
+
+
+@pytest.mark.parametrize("bad", [0, 6])
+def test_prompt_length_out_of_range_is_named(setup, bad):
+    prompts, _ = random_prompts(2, 5, seed=0)
+    with pytest.raises(ValueError, match=rf"prompt_lengths\[1\]={bad} is outside \[1, 5\]"):
+        generate(setup["target"], None, prompts, jnp.array([3, bad]), jax.random.key(0), greedy())

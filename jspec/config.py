@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 import types
 import typing
@@ -257,6 +258,140 @@ class RolloutConfig:
             model.check_taps()
 
 
+_TASK_NAMES = ("addition", "sorting", "counting")  # jspec.rl.tasks.TASKS; checked there too
+_NORMALIZATIONS = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """A verifiable task (`jspec.rl.tasks`): `name` at `difficulty` (digits, list or string
+    length), shifted to `shifted_name` / `shifted_difficulty` from RL step `shift_step` on (0:
+    never), so the policy is made to move part-way through a run."""
+
+    name: str = "addition"
+    difficulty: int = 2
+    shift_step: int = 0
+    shifted_name: str | None = None
+    shifted_difficulty: int | None = None
+
+    def validate(self, where: str = "rl.task") -> None:
+        for field, value in (("name", self.name), ("shifted_name", self.shifted_name)):
+            if value is not None and value not in _TASK_NAMES:
+                close = difflib.get_close_matches(value, _TASK_NAMES, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"{where}.{field}={value!r} is not a task; use one of "
+                    f"{', '.join(map(repr, _TASK_NAMES))}.{hint}"
+                )
+        for field in ("difficulty", "shifted_difficulty"):
+            value = getattr(self, field)
+            if value is not None and not 1 <= value <= 8:
+                raise ConfigError(f"{where}.{field}={value} must be in [1, 8].")
+        if self.shift_step < 0:
+            raise ConfigError(f"{where}.shift_step={self.shift_step} must be >= 0 (0: no shift).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO with an online co-trained draft (`jspec.rl`).
+
+    Each RL step samples `prompts` prompts, `group_size` responses each (the batch is their
+    product), packs `sequences_per_row` sequences into each training row, and makes one update of
+    policy and draft. The draft loss (weight `draft_loss_weight`) runs the trunk pass and
+    `ttt_steps` branch steps of the training-time test, step i weighted `ttt_decay`**i, in chunks of
+    `loss_chunk` tokens along the sequence. Policy and draft have their own learning rate and
+    gradient clipping. `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
+    """
+
+    task: TaskConfig = TaskConfig()
+    steps: int = 40
+    prompts: int = 8
+    group_size: int = 8
+    sequences_per_row: int = 4
+    sft_steps: int = 300
+    sft_batch: int = 64
+    learning_rate: float = 1e-4
+    sft_learning_rate: float = 3e-3
+    draft_learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    draft_max_grad_norm: float = 1.0
+    clip_epsilon: float = 0.2
+    kl_coef: float = 0.0
+    normalization: str = "token"
+    draft_loss_weight: float = 1.0
+    ttt_steps: int = 6
+    ttt_decay: float = 0.8
+    loss_chunk: int = 64
+    save_every: int = 10
+    keep_checkpoints: int = 3
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.group_size
+
+    def validate(self, rollout: RolloutConfig, where: str = "rl") -> None:
+        self.task.validate(f"{where}.task")
+        for name in ("steps", "prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"{where}.group_size={self.group_size}: group-relative advantages need at least 2 "
+                "responses per prompt."
+            )
+        for name in ("sft_steps", "kl_coef", "draft_loss_weight", "ttt_steps", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")
+        for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
+        if self.batch % self.sequences_per_row:
+            raise ConfigError(
+                f"{where}.sequences_per_row={self.sequences_per_row} does not divide the batch "
+                f"{where}.prompts * {where}.group_size = {self.batch}; pick a divisor of it."
+            )
+        _choice(f"{where}.normalization", self.normalization, _NORMALIZATIONS)
+        if not 0 < self.ttt_decay <= 1:
+            raise ConfigError(f"{where}.ttt_decay={self.ttt_decay} must be in (0, 1].")
+        if rollout.temperature <= 0 or rollout.top_p != 1 or rollout.top_k != 0:
+            raise ConfigError(
+                f"rollout.temperature={rollout.temperature}, top_p={rollout.top_p}, "
+                f"top_k={rollout.top_k}: GRPO needs sampled rollouts whose log-probabilities the "
+                "train step recomputes exactly; set rollout.temperature > 0, top_p=1, top_k=0."
+            )
+        if rollout.eos_id is None:
+            raise ConfigError(
+                "rollout.eos_id is unset: RL responses end at the tokenizer's end-of-sequence id "
+                "(the byte tokenizer's is 256); set rollout.eos_id."
+            )
+
+    def check_mesh(self, sizes: dict[str, int]) -> None:
+        """Raises ConfigError when the batch does not split over the mesh (before compiling):
+        rollout rows split over data x context, packed training rows over data."""
+        decode = sizes["data"] * sizes["context"]
+        rows = self.batch // self.sequences_per_row
+        if self.batch % decode:
+            raise ConfigError(
+                f"the RL batch rl.prompts * rl.group_size = {self.prompts} * {self.group_size} = "
+                f"{self.batch} does not split over the {decode} rollout shards (mesh.data * "
+                f"mesh.context = {sizes['data']} * {sizes['context']}); make it a multiple of "
+                f"{decode}, e.g. rl.prompts={-(-decode // math.gcd(decode, self.group_size))}."
+            )
+        if rows % sizes["data"]:
+            raise ConfigError(
+                f"the {rows} packed training rows (batch {self.batch} / rl.sequences_per_row="
+                f"{self.sequences_per_row}) do not split over mesh.data={sizes['data']}; lower "
+                "rl.sequences_per_row or raise rl.prompts so the rows are a multiple of it."
+            )
+        sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)
+        if rem or sft_rows % sizes["data"]:
+            raise ConfigError(
+                f"rl.sft_batch={self.sft_batch} must be a multiple of rl.sequences_per_row * "
+                f"mesh.data = {self.sequences_per_row} * {sizes['data']}, so its packed rows "
+                "split over the data axis."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the mesh axes; -1 on one axis means 'all devices left over'."""
@@ -276,10 +411,13 @@ class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     rollout: RolloutConfig = RolloutConfig()
+    rl: RLConfig | None = None
 
     def validate(self) -> Config:
         self.model.validate("model")
         self.rollout.validate(self.model)
+        if self.rl is not None:
+            self.rl.validate(self.rollout)
         return self
 
 

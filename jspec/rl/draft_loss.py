@@ -1,0 +1,199 @@
+"""The EAGLE-3 draft's co-training loss: the training-time test over the policy's own features.
+
+Pass 0 (the trunk) runs the draft layer causally over the rollout: position t pairs the policy's
+taps at t with the embedding of token t + 1 and is scored against the policy's distribution at
+t + 1. Each of the `steps` branch passes i = 1..S then feeds the previous pass's output hidden state
+back in at the same position, with inputs and targets shifted by one more token (embedding of token
+t + 1 + i, teacher at t + 1 + i), as the draft runs at inference. Pass i's node at t sits at RoPE
+position pos[t] + i, sees the trunk keys up to t and its own earlier nodes (t, 1..i-1): a
+`jspec.attention.Branch` anchored at t with parent (t, i - 1), whose K/V of every pass are kept and
+whose queries are pass i's only (`query_nodes`), the trunk query None. Memory is linear in T * S.
+
+The teacher is the detached policy distribution at the sampling temperature, restricted to the
+draft vocabulary and renormalised there; the loss of pass i is the soft cross-entropy over the
+response tokens, weighted decay**i. Logits over the vocabulary are made chunk by chunk along the
+sequence (rematerialised in the backward pass), never for the whole batch at once.
+
+Context parallelism: shifts are made in natural order, then the draft runs in the ring's zigzag
+layout (`zigzag_shard`), every pass's branch nodes on the rank of their anchor, and the hidden
+states come back to natural order for the loss. So a shifted input that crosses a zigzag chunk
+edge is read from the right token wherever it lives, and the result equals context=1's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int
+
+from jspec import mesh as mesh_lib
+from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
+from jspec.attention.parallel import sharded_ring
+from jspec.models.draft import Eagle3Draft
+from jspec.models.transformer import rope_angles
+
+
+class DraftLossOut(NamedTuple):
+    loss: Float[Array, ""]  # sum over passes of decay**i * mean soft cross-entropy of pass i
+    per_pass: Float[Array, " s"]  # mean soft cross-entropy of each pass
+    agreement: Float[Array, ""]  # top-1 agreement of pass 0 with the teacher, over its tokens
+
+
+def shift(x: Array, k: int, fill) -> Array:
+    """x[:, t + k] at t (natural order), `fill` past the end."""
+    pad = jnp.full((x.shape[0], k, *x.shape[2:]), fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+class _Layout:
+    """Where the draft's passes run: natural order on one context rank, else the zigzag ring."""
+
+    def __init__(self, segment_ids, mesh: Mesh | None):
+        axis = mesh_lib.RULES["seq"]
+        self.cp = 1 if mesh is None or axis is None else mesh.shape[axis]
+        self.natural_seg = segment_ids
+        if self.cp > 1:
+            self.ring = sharded_ring(
+                mesh, axis, batch_axis=mesh_lib.RULES["batch"],
+                head_axis=mesh_lib.RULES["act_heads"],
+            )  # fmt: skip
+        self.seg = self.shard(segment_ids)
+
+    def shard(self, x):
+        return x if self.cp == 1 else zigzag_shard(x, self.natural_seg, self.cp)
+
+    def unshard(self, x):
+        return x if self.cp == 1 else zigzag_unshard(x, self.natural_seg, self.cp)
+
+    def attend(self, q, k, v, positions, branch=None):
+        """(trunk out, branch out) of the layout's attention (one of them may be None)."""
+        if self.cp > 1:
+            return self.ring(q, k, v, self.seg, positions, branch)
+        out = attention(q, k, v, self.seg, positions, branch=branch)
+        return out if branch is not None else (out, None)
+
+    def pass_branch(self, q, ks, vs) -> Branch:
+        """The branch of pass i = len(ks): the nodes of passes 1..i (K/V each [B,T,K,E] in this
+        layout), node (t, j) anchored at t with parent (t, j - 1), the queries of pass i only.
+
+        Indices are local to each rank's T / cp tokens (rank-major slots, as the ring wants)."""
+        b, t = q.shape[:2]
+        i, local = len(ks), t // self.cp
+        stack = lambda xs: jnp.stack(
+            [x.reshape(b, self.cp, local, *x.shape[2:]) for x in xs], axis=2
+        ).reshape(b, self.cp * i * local, *xs[0].shape[2:])
+        slot = jnp.arange(local, dtype=jnp.int32)
+        j = jnp.arange(i, dtype=jnp.int32)[:, None]
+        per_rank = lambda x: jnp.broadcast_to(x, (b, self.cp, *x.shape)).reshape(b, -1)
+        return Branch(
+            q, stack(ks), stack(vs),
+            anchor=per_rank(jnp.broadcast_to(slot, (i, local))),
+            parent=per_rank(jnp.where(j == 0, -1, (j - 1) * local + slot)),
+            query_nodes=per_rank((i - 1) * local + slot),
+        )  # fmt: skip
+
+
+def draft_passes(
+    draft: Eagle3Draft,
+    embed: Float[Array, "v d"],
+    taps: Float[Array, "taps b t d"],
+    tokens: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    steps: int,
+    mesh: Mesh | None = None,
+) -> list[Float[Array, "b t d"]]:
+    """Output hidden states of the trunk pass and `steps` branch passes, natural order."""
+    layout = _Layout(segment_ids, mesh)
+    pos = layout.shard(positions)
+    cfg = draft.config.layer
+    emb = lambda i: layout.shard(jnp.take(embed, shift(tokens, 1 + i, 0), axis=0, mode="clip"))
+
+    def trunk(q, k, v):
+        return layout.attend(q, k, v, pos)[0]
+
+    hidden, (k0, v0) = draft.layer(
+        emb(0), layout.shard(draft.fuse(taps)), rope_angles(cfg, pos), trunk
+    )
+    outs, ks, vs = [hidden], [], []
+    for i in range(1, steps + 1):
+
+        def branch(q, k, v):
+            return layout.attend(None, k0, v0, pos, layout.pass_branch(q, [*ks, k], [*vs, v]))[1]
+
+        hidden, (k, v) = draft.layer(emb(i), hidden, rope_angles(cfg, pos + i), branch)
+        outs.append(hidden)
+        ks.append(k)
+        vs.append(v)
+    return [layout.unshard(h) for h in outs]
+
+
+def pass_targets(
+    response: Bool[Array, "b t"], segment_ids: Int[Array, "b t"], i: int
+) -> Bool[Array, "b t"]:
+    """Positions t scored in pass i: token t + 2 + i is a response token of t's document."""
+    same_doc = shift(segment_ids, 2 + i, 0) == segment_ids
+    return shift(response, 2 + i, False) & same_doc & (segment_ids != 0)
+
+
+def _soft_cross_entropy(draft, hidden, teacher_logits, mask, offset, temperature, chunk):
+    """Sums over `mask` of the soft cross-entropy and of top-1 agreement, chunk by chunk: draft
+    logits of hidden[t] against the teacher at t + offset (restricted to the draft vocabulary)."""
+    b, t, _ = hidden.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, pad)))
+    ids = draft.target_ids[...]
+
+    @jax.checkpoint
+    def one(c):
+        start = c * chunk
+        rows = jnp.minimum(start + offset + jnp.arange(chunk), t - 1)
+        teacher = jnp.take(teacher_logits, rows, axis=1)[..., ids] / temperature
+        logits = draft.draft_logits(jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1))
+        m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
+        p = jax.nn.softmax(teacher, axis=-1)
+        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        agree = jnp.argmax(logits, axis=-1) == jnp.argmax(teacher, axis=-1)
+        return jnp.sum(jnp.where(m, ce, 0.0)), jnp.sum(m & agree)
+
+    ce, agree = jax.lax.map(one, jnp.arange(n))
+    return ce.sum(), agree.sum()
+
+
+def draft_loss(
+    draft: Eagle3Draft,
+    embed: Float[Array, "v d"],
+    taps: Float[Array, "taps b t d"],
+    teacher_logits: Float[Array, "b t v"],
+    tokens: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    response: Bool[Array, "b t"],
+    *,
+    steps: int,
+    decay: float,
+    temperature: float,
+    chunk: int,
+    mesh: Mesh | None = None,
+) -> DraftLossOut:
+    """The training-time-test loss (module docstring). Inputs are detached here: the draft never
+    back-propagates into the policy."""
+    embed, taps, teacher_logits = map(jax.lax.stop_gradient, (embed, taps, teacher_logits))
+    hiddens = draft_passes(draft, embed, taps, tokens, segment_ids, positions, steps, mesh)
+    losses, agreement = [], None
+    for i, hidden in enumerate(hiddens):
+        mask = pass_targets(response, segment_ids, i)
+        count = jnp.maximum(mask.sum(), 1)
+        ce, agree = _soft_cross_entropy(
+            draft, hidden, teacher_logits, mask, 1 + i, temperature, chunk
+        )
+        losses.append(ce / count)
+        agreement = agree / count if i == 0 else agreement
+    per_pass = jnp.stack(losses)
+    weights = decay ** jnp.arange(len(losses), dtype=jnp.float32)
+    return DraftLossOut(jnp.sum(weights * per_pass), per_pass, agreement)

@@ -1,0 +1,209 @@
+"""TrainState: everything a run changes, as one pytree, and its orbax checkpoints.
+
+The policy and draft parameters are plain nested dicts (`nnx.to_pure_dict`), so optax, orbax and
+`jit` see ordinary pytrees; `Networks` holds the static rest (graph definitions, the draft's
+vocabulary map) and turns parameters back into modules inside `jit`. The sampler reads the same
+TrainState the train step writes: there is no weight sync.
+
+Optimizers: one `optax.multi_transform` with a group per parameter set, each with its own learning
+rate and gradient clipping (the draft's gradients are clipped apart from the policy's). A frozen
+draft is not in the optimizer at all.
+
+Randomness: `rng` is one key; each step's rollout key is `fold_in(rng, step)`, so a resumed run
+draws what the uninterrupted run drew. Under SPMD `jit` a global key gives every data-parallel rank
+different bits for its own rows and every tensor or context replica the same bits for the same
+rows, which is what seeding per data-parallel rank is for (replicas never diverge).
+
+Checkpoints (`Checkpoints`): orbax `CheckpointManager`, async saves, the run's config saved beside
+each state as JSON. Resuming reads the latest step whose config matches and whose state restores; a
+config written for another model or draft is refused before anything is compiled, and a corrupt
+latest checkpoint is reported and the one before it used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jspec.config import ConfigError, RLConfig
+from jspec.models.transformer import param_shardings
+
+DRAFT_MODES = ("cotrain", "frozen", "none")
+
+
+class TrainState(NamedTuple):
+    params: dict[str, Any]  # {"policy": ..., "draft": ...}; no "draft" without one
+    opt_state: Any  # of the trained groups only
+    reference: Any  # frozen policy params for the KL penalty, or None
+    step: jax.Array  # int32: RL steps done
+    rng: jax.Array  # uint32 key data
+
+
+class _Net(NamedTuple):
+    graphdef: Any
+    treedef: Any  # of the nnx.State of its parameters
+    rest: Any  # non-parameter state (the draft's vocabulary map), constant
+
+    def merge(self, params):
+        state = jax.tree.unflatten(self.treedef, jax.tree.leaves(params))
+        return nnx.merge(self.graphdef, state, self.rest)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Networks:
+    """The static parts of the policy and the draft (None: no draft)."""
+
+    policy: _Net
+    draft: _Net | None
+    mesh: Mesh | None
+
+    @classmethod
+    def split(cls, policy, draft, mesh: Mesh | None) -> tuple[Networks, dict]:
+        """(Networks, params) of live modules."""
+        nets, params = {}, {}
+        for name, module in (("policy", policy), ("draft", draft)):
+            if module is None:
+                continue
+            graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+            nets[name] = _Net(graphdef, jax.tree.structure(state), rest)
+            params[name] = nnx.to_pure_dict(state)
+        return cls(nets["policy"], nets.get("draft"), mesh), params
+
+    def models(self, params: dict):
+        """(policy, draft or None) as modules, from params."""
+        draft = None if self.draft is None else self.draft.merge(params["draft"])
+        return self.policy.merge(params["policy"]), draft
+
+    def shardings(self, params: dict) -> dict:
+        """NamedShardings of params by their logical axes (`jspec.mesh.RULES`)."""
+        out = {}
+        for name, net in (("policy", self.policy), ("draft", self.draft)):
+            if name in params:
+                state = jax.tree.unflatten(net.treedef, jax.tree.leaves(params[name]))
+                out[name] = nnx.to_pure_dict(param_shardings(state, self.mesh))
+        return out
+
+
+def optimizer(rl: RLConfig, trained: tuple[str, ...], policy_learning_rate: float):
+    """One multi_transform over the trained groups: AdamW after per-group norm clipping."""
+    groups = {
+        "policy": (policy_learning_rate, rl.max_grad_norm),
+        "draft": (rl.draft_learning_rate, rl.draft_max_grad_norm),
+    }
+    transforms = {
+        name: optax.chain(optax.clip_by_global_norm(groups[name][1]), optax.adamw(groups[name][0]))
+        for name in trained
+    }
+    labels = lambda params: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+    return optax.multi_transform(transforms, labels)
+
+
+def trained_groups(mode: str, has_draft: bool) -> tuple[str, ...]:
+    """Parameter groups the optimizer updates under draft mode `mode`."""
+    if mode not in DRAFT_MODES:
+        raise ConfigError(f"draft mode {mode!r} is not one of {', '.join(map(repr, DRAFT_MODES))}.")
+    return ("policy", "draft") if mode == "cotrain" and has_draft else ("policy",)
+
+
+def init_state(
+    networks: Networks, params: dict, tx, trained, *, seed: int, reference: bool
+) -> TrainState:
+    """A fresh TrainState (step 0) around `params`, placed by the logical-axis rules."""
+    if networks.mesh is not None:
+        params = jax.device_put(params, networks.shardings(params))
+    opt_state = jax.jit(tx.init)({k: params[k] for k in trained})
+    ref = jax.tree.map(jnp.copy, params["policy"]) if reference else None
+    rng = jax.random.key_data(jax.random.key(seed))
+    return TrainState(params, opt_state, ref, jnp.int32(0), rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints.
+
+# Config fields that must match for a checkpoint to be resumed (the state's shapes follow them).
+_MUST_MATCH = ("model", "draft_mode", "rollout.draft")
+
+
+def _lookup(config: dict, dotted: str):
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
+
+
+class Checkpoints:
+    """Async orbax checkpoints of TrainState, with the run's config (a JSON dict) beside each."""
+
+    def __init__(self, directory: str | pathlib.Path, config: dict, keep: int = 3):
+        self.directory = pathlib.Path(directory).resolve()
+        self.config = json.loads(json.dumps(config))  # JSON types, as it will be read back
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "config")
+        )
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Starts an async save (returns once the arrays are copied off the devices)."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.config)
+            ),
+        )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def check_config(self, saved: dict, step: int) -> None:
+        """Raises ConfigError when checkpoint `step` (config `saved`) was written for another
+        model or draft."""
+        for key in _MUST_MATCH:
+            if _lookup(saved, key) != _lookup(self.config, key):
+                raise ConfigError(
+                    f"checkpoint step {step} in {self.directory} was written with {key}="
+                    f"{_lookup(saved, key)}, but this run has {key}={_lookup(self.config, key)}; "
+                    "resume with the config it was written with, or start a new run directory."
+                )
+
+    def restore_latest(self, template: TrainState) -> TrainState | None:
+        """The newest checkpoint that restores (None: there is none), placed like `template`.
+
+        A checkpoint written with another config is an error; one that fails to read is reported
+        on stderr and the one before it tried. Nothing is deleted."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                saved = self.manager.restore(
+                    step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+                ).config
+            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
+                self._report(step, error)
+                continue
+            self.check_config(saved, step)
+            try:
+                restored = self.manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )
+                return TrainState(*restored.state)
+            except Exception as error:  # noqa: BLE001
+                self._report(step, error)
+        return None
+
+    def _report(self, step: int, error: Exception) -> None:
+        print(
+            f"checkpoint step {step} in {self.directory} is corrupt or partial "
+            f"({type(error).__name__}: {str(error)[:200]}); trying the one before.",
+            file=sys.stderr,
+        )

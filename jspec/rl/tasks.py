@@ -1,0 +1,170 @@
+"""Verifiable tasks with exact rewards, and the tokenizers that turn them into tokens.
+
+Each task makes a `Problem` (a prompt and its worked reference answer) from a numpy generator, and
+scores a response by its final answer alone, exactly: 1.0 when it is right, 0.0 otherwise. The
+worked answers are long and regular (a draft has much to predict) and their difficulty is a knob
+(digits, list or string length), so a tiny model learns the easy setting in minutes on a CPU and a
+shift to a harder one (`TaskConfig.shift_step`) makes the policy move part-way through a run.
+
+    addition  "47+85="          -> "7+5+0=12,4+8+1=13;132"   columns from the right, with carries
+    sorting   "sort 3142="      -> "1234"
+    counting  "count 1 in 3121=" -> "1:1,2:0,3:1,4:0;2"       a running tally, then the count
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jspec.config import ConfigError, TaskConfig
+
+ANSWER_MARK = ";"  # a worked answer ends with ANSWER_MARK and the final answer
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str  # the worked reference response
+
+    @property
+    def final(self) -> str:
+        return final_answer(self.answer)
+
+
+def final_answer(response: str) -> str:
+    """The part of a response after its last ANSWER_MARK (the whole response if it has none)."""
+    return response.rsplit(ANSWER_MARK, 1)[-1].strip()
+
+
+def reward(problem: Problem, response: str) -> float:
+    """1.0 when the response's final answer equals the reference's, else 0.0."""
+    return float(final_answer(response) == problem.final)
+
+
+def _addition(rng: np.random.Generator, digits: int) -> Problem:
+    a, b = (int(rng.integers(10 ** (digits - 1), 10**digits)) for _ in range(2))
+    columns, carry = [], 0
+    for da, db in zip(reversed(f"{a}"), reversed(f"{b}"), strict=True):
+        total = int(da) + int(db) + carry
+        columns.append(f"{da}+{db}+{carry}={total}")
+        carry = total // 10
+    return Problem(f"{a}+{b}=", ",".join(columns) + f"{ANSWER_MARK}{a + b}")
+
+
+def _sorting(rng: np.random.Generator, difficulty: int) -> Problem:
+    items = "".join(map(str, rng.integers(0, 10, difficulty + 2)))
+    return Problem(f"sort {items}=", "".join(sorted(items)))
+
+
+def _counting(rng: np.random.Generator, difficulty: int) -> Problem:
+    text = "".join(map(str, rng.integers(0, 5, difficulty + 2)))
+    target = str(rng.integers(0, 5))
+    tally = ",".join(f"{c}:{int(c == target)}" for c in text)
+    return Problem(f"count {target} in {text}=", f"{tally}{ANSWER_MARK}{text.count(target)}")
+
+
+TASKS: dict[str, Callable[[np.random.Generator, int], Problem]] = {
+    "addition": _addition,
+    "sorting": _sorting,
+    "counting": _counting,
+}
+
+
+def check_task(name: str) -> None:
+    if name not in TASKS:
+        raise ConfigError(
+            f"task {name!r} does not exist; use one of {', '.join(map(repr, TASKS))} "
+            "(jspec.rl.tasks.TASKS)."
+        )
+
+
+def task_at(config: TaskConfig, step: int) -> tuple[str, int]:
+    """(name, difficulty) of the task in effect at RL step `step` (after a shift, if any)."""
+    if config.shift_step and step >= config.shift_step:
+        return (config.shifted_name or config.name, config.shifted_difficulty or config.difficulty)
+    return config.name, config.difficulty
+
+
+def problems(config: TaskConfig, step: int, count: int, seed: int) -> list[Problem]:
+    """`count` problems of the task in effect at `step`, the same for the same (seed, step)."""
+    name, difficulty = task_at(config, step)
+    check_task(name)
+    rng = np.random.default_rng((seed, step))
+    return [TASKS[name](rng, difficulty) for _ in range(count)]
+
+
+def widths(config: TaskConfig, seed: int = 0, samples: int = 64) -> tuple[int, int]:
+    """Bytes of the longest prompt and worked answer over the run's tasks (before and after the
+    shift): static shapes for rollouts and training rows."""
+    steps = (0, config.shift_step) if config.shift_step else (0,)
+    seen = [p for s in steps for p in problems(config, s, samples, seed)]
+    return max(len(p.prompt) for p in seen), max(len(p.answer) for p in seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers.
+
+
+class ByteTokenizer:
+    """Bytes are tokens 0..255; 256 ends a sequence. Needs a model vocabulary of at least 257."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (`tokenizer.json` of a real checkpoint)."""
+
+    def __init__(self, path: str | pathlib.Path, eos_token: str):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        eos = self._tok.token_to_id(eos_token)
+        if eos is None:
+            raise ConfigError(f"eos_token={eos_token!r} is not in the tokenizer at {path}.")
+        self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self._tok.decode([i for i in ids if i >= 0])
+
+
+def _pad_rows(rows: list[list[int]], width: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows cut to `width` and right-padded with `fill` [B, width], and their lengths [B]."""
+    tokens = np.full((len(rows), width), fill, np.int32)
+    lengths = np.asarray([min(len(r), width) for r in rows], np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : lengths[i]] = row[:width]
+    return tokens, lengths
+
+
+def encode_prompts(
+    tokenizer, batch: Sequence[Problem], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded prompt tokens [B, width] and their lengths [B] (int32)."""
+    return _pad_rows([tokenizer.encode(p.prompt) for p in batch], width, 0)
+
+
+def encode_answers(
+    tokenizer, batch: Sequence[Problem], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Reference responses with the end-of-sequence token, right-padded with -1 [B, width], and
+    their lengths."""
+    return _pad_rows([tokenizer.encode(p.answer) + [tokenizer.eos_id] for p in batch], width, -1)

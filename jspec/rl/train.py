@@ -1,0 +1,93 @@
+"""The train step: one jitted program that updates the policy and the draft together.
+
+    policy forward on the packed rollouts (training forward, taps=True)
+      -> per-token log-probabilities at the sampling temperature -> GRPO loss (or SFT)
+      -> draft loss on the same forward's detached taps and logits (`draft_loss`: the trunk
+         pass and the training-time test's branch passes)
+      -> one optax update of both parameter groups
+
+The policy runs once: the draft reads its taps and logits, never calls it again (a test counts the
+dot operations), and never back-propagates into it. With the draft frozen, its loss is still
+computed (forward only) for the agreement metric; without a draft, nothing of it is traced.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jspec.config import RLConfig, RolloutConfig
+from jspec.rl import grpo
+from jspec.rl.draft_loss import draft_loss
+from jspec.rl.packing import PackedBatch
+from jspec.rl.state import Networks, TrainState
+
+
+def make_train_step(
+    networks: Networks,
+    tx: optax.GradientTransformation,
+    trained: tuple[str, ...],
+    rl: RLConfig,
+    rollout: RolloutConfig,
+    *,
+    objective: str = "grpo",
+    num_sequences: int,
+):
+    """A jitted `step(state, batch) -> (state, metrics)` for `objective` 'grpo' or 'sft'.
+
+    `trained` are the parameter groups `tx` updates ('policy', and 'draft' when co-trained);
+    `num_sequences` is the batch's sequence count (for sequence-level normalisation)."""
+    temperature = rollout.temperature
+
+    def losses(trainable, fixed, reference, batch: PackedBatch):
+        params = {**trainable, **jax.tree.map(jax.lax.stop_gradient, fixed)}
+        policy, draft = networks.models(params)
+        out = policy(batch.tokens, batch.segment_ids, batch.positions, taps=draft is not None)
+        logits, taps = out if draft is not None else (out, None)
+        logp = grpo.token_logprobs(logits, batch.tokens, temperature)
+        if objective == "sft":
+            loss, metrics = grpo.sft_loss(logp, batch.response)
+        else:
+            loss, metrics = grpo.policy_loss(
+                logp, batch.old_logprobs, batch.advantages, batch.response, batch.sequence,
+                num_sequences=num_sequences, clip_epsilon=rl.clip_epsilon,
+                normalization=rl.normalization, kl_coef=rl.kl_coef,
+                ref_logprobs=_reference_logprobs(networks, reference, batch, temperature),
+            )  # fmt: skip
+        metrics["policy_loss"] = loss
+        if draft is None:
+            return loss, metrics
+        d = draft_loss(
+            draft, policy.embed[...], taps, logits, batch.tokens, batch.segment_ids,
+            batch.positions, batch.response, steps=rl.ttt_steps, decay=rl.ttt_decay,
+            temperature=temperature, chunk=rl.loss_chunk, mesh=networks.mesh,
+        )  # fmt: skip
+        metrics.update(draft_loss=d.loss, agreement=d.agreement)
+        if "draft" in trainable:
+            loss = loss + rl.draft_loss_weight * d.loss
+        return loss, metrics
+
+    @jax.jit
+    def step(state: TrainState, batch: PackedBatch):
+        trainable = {k: state.params[k] for k in trained}
+        fixed = {k: v for k, v in state.params.items() if k not in trained}
+        grads, metrics = jax.grad(losses, has_aux=True)(trainable, fixed, state.reference, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        new = optax.apply_updates(trainable, updates)
+        for name, g in grads.items():
+            metrics[f"{name}_grad_norm"] = optax.global_norm(g)
+        state = state._replace(
+            params={**state.params, **new}, opt_state=opt_state, step=state.step + 1
+        )
+        return state, metrics
+
+    return step
+
+
+def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, temperature):
+    """The frozen reference policy's log-probabilities (None without a reference)."""
+    if reference is None:
+        return None
+    ref = networks.policy.merge(jax.lax.stop_gradient(reference))
+    logits = ref(batch.tokens, batch.segment_ids, batch.positions)
+    return grpo.token_logprobs(logits, batch.tokens, temperature)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.config import ConfigError, RLConfig
 from jspec.models.transformer import param_shardings
@@ -118,13 +118,26 @@ def trained_groups(mode: str, has_draft: bool) -> tuple[str, ...]:
 def init_state(
     networks: Networks, params: dict, tx, trained, *, seed: int, reference: bool
 ) -> TrainState:
-    """A fresh TrainState (step 0) around `params`, placed by the logical-axis rules."""
+    """A fresh TrainState (step 0) around `params`: parameters placed by the logical-axis rules,
+    optimizer moments like their parameters, everything else replicated over the mesh (so every
+    train step and rollout sees one placement and compiles once)."""
     if networks.mesh is not None:
         params = jax.device_put(params, networks.shardings(params))
     opt_state = jax.jit(tx.init)({k: params[k] for k in trained})
     ref = jax.tree.map(jnp.copy, params["policy"]) if reference else None
     rng = jax.random.key_data(jax.random.key(seed))
-    return TrainState(params, opt_state, ref, jnp.int32(0), rng)
+    state = TrainState(params, opt_state, ref, jnp.int32(0), rng)
+    if networks.mesh is None:
+        return state
+    return jax.device_put(state, placement(state, networks.mesh))
+
+
+def placement(state: TrainState, mesh: Mesh):
+    """The shardings of `state`'s leaves, with anything not yet placed on `mesh` replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,11 +88,14 @@ def task_at(config: TaskConfig, step: int) -> tuple[str, int]:
     return config.name, config.difficulty
 
 
-def problems(config: TaskConfig, step: int, count: int, seed: int) -> list[Problem]:
-    """`count` problems of the task in effect at `step`, the same for the same (seed, step)."""
+def problems(
+    config: TaskConfig, step: int, count: int, seed: int, stream: int = 0
+) -> list[Problem]:
+    """`count` problems of the task in effect at `step`, the same for the same (seed, stream,
+    step); streams keep data apart (0: RL prompts, 1: the SFT warm start)."""
     name, difficulty = task_at(config, step)
     check_task(name)
-    rng = np.random.default_rng((seed, step))
+    rng = np.random.default_rng((seed, stream, step))
     return [TASKS[name](rng, difficulty) for _ in range(count)]
 
 

@@ -20,7 +20,7 @@ from jspec.config import RLConfig, RolloutConfig
 from jspec.rl import grpo
 from jspec.rl.draft_loss import draft_loss
 from jspec.rl.packing import PackedBatch
-from jspec.rl.state import Networks, TrainState
+from jspec.rl.state import Networks, TrainState, placement
 
 
 def make_train_step(
@@ -67,7 +67,6 @@ def make_train_step(
             loss = loss + rl.draft_loss_weight * d.loss
         return loss, metrics
 
-    @jax.jit
     def step(state: TrainState, batch: PackedBatch):
         trainable = {k: state.params[k] for k in trained}
         fixed = {k: v for k, v in state.params.items() if k not in trained}
@@ -81,7 +80,16 @@ def make_train_step(
         )
         return state, metrics
 
-    return step
+    compiled = {}
+
+    def run(state: TrainState, batch: PackedBatch):
+        """The jitted step; the state leaves it placed as it came (one compilation per run)."""
+        if "step" not in compiled:
+            keep = None if networks.mesh is None else placement(state, networks.mesh)
+            compiled["step"] = jax.jit(step, out_shardings=(keep, None), donate_argnums=0)
+        return compiled["step"](state, batch)
+
+    return run
 
 
 def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, temperature):

@@ -1,0 +1,254 @@
+"""RL with speculative rollouts and an online co-trained draft: SFT warm start, then GRPO.
+
+    python launch/train_rl.py                                  # configs/demo.yaml, co-trained
+    python launch/train_rl.py --draft frozen                   # the draft stops learning after SFT
+    python launch/train_rl.py --draft none                     # plain decoding, no draft
+    python launch/train_rl.py rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
+
+The warm start trains the policy on the task's worked answers and the draft on the policy's own
+features (the same train step, a supervised objective), so RL starts from a policy that sometimes
+succeeds and a draft that is already useful. Each RL step then draws prompts, samples a group of
+responses per prompt with `jspec.sampler.generate` (the draft of the current TrainState proposes,
+the policy verifies), scores them exactly, and makes one update of policy and draft.
+
+Writes to --run-dir (default runs/<config>-<draft>): metrics.jsonl (one line per RL step: reward,
+losses, draft agreement, mean accepted length, rollout tokens/s, rollout / train / step time),
+TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every
+rl.save_every steps, with the config beside). Run again to resume from the latest checkpoint.
+`launch/plot_runs.py` draws several runs' metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from jspec import config as config_lib
+from jspec import mesh as mesh_lib
+from jspec.config import ConfigError
+from jspec.models import create
+from jspec.models.draft import from_config as draft_from_config
+from jspec.rl import grpo, packing, tasks
+from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
+from jspec.rl.train import make_train_step
+from jspec.sampler import generate
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.steps=60")
+    p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
+    p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
+    p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this many RL steps")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--compilation-cache",
+        default=str(ROOT / "runs" / ".jax_cache"),
+        help="persistent XLA compilation cache: a resumed run does not compile again ('' off)",
+    )
+    return p.parse_intermixed_args(argv)
+
+
+class Run:
+    """One run's fixed parts: config, mesh, networks, tokenizer, static shapes."""
+
+    def __init__(self, cfg: config_lib.Config, mode: str):
+        if cfg.rl is None:
+            raise ConfigError(
+                f"config {cfg.name!r} has no rl section; add one (see configs/demo.yaml)."
+            )
+        self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
+        self.mesh = mesh_lib.make_mesh(cfg.mesh)
+        self.rl.check_mesh(dict(self.mesh.shape))
+        self.tokenizer = tasks.ByteTokenizer()
+        self._check_shapes()
+        draft_cfg = cfg.rollout.draft
+        if mode != "none" and draft_cfg.kind != "eagle3":
+            raise ConfigError(
+                f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
+                f"{draft_cfg.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
+            )
+        policy = create(cfg.model, mesh=self.mesh, seed=cfg.seed)
+        draft = None if mode == "none" else draft_from_config(draft_cfg, policy, mesh=self.mesh)
+        self.networks, self.initial_params = Networks.split(policy, draft, self.mesh)
+        self.rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["batch"]))
+        self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
+
+    def _check_shapes(self) -> None:
+        cfg, tok = self.cfg, self.tokenizer
+        if cfg.model.vocab_size < tok.vocab_size or cfg.rollout.eos_id != tok.eos_id:
+            raise ConfigError(
+                f"the byte tokenizer needs model.vocab_size >= {tok.vocab_size} (got "
+                f"{cfg.model.vocab_size}) and rollout.eos_id={tok.eos_id} (got "
+                f"{cfg.rollout.eos_id})."
+            )
+        self.prompt_width, answer_width = tasks.widths(self.rl.task, cfg.seed)
+        if answer_width + 1 > cfg.rollout.max_new_tokens:
+            raise ConfigError(
+                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} cannot hold the task's "
+                f"worked answers of up to {answer_width} tokens plus the end token; raise it to "
+                f"at least "
+                f"{answer_width + 1}."
+            )
+
+    def put(self, batch: packing.PackedBatch) -> packing.PackedBatch:
+        return jax.device_put(jax.tree.map(jnp.asarray, batch), self.rows)
+
+    def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
+        tx = optimizer(self.rl, trained, learning_rate)
+        step = make_train_step(
+            self.networks, tx, trained, self.rl, self.cfg.rollout,
+            objective=objective, num_sequences=num_sequences,
+        )  # fmt: skip
+        return tx, step
+
+
+def warm_start(run: Run, log) -> dict:
+    """Supervised steps on the task's worked answers; the draft learns the policy's features."""
+    rl, cfg = run.rl, run.cfg
+    trained = trained_groups("cotrain", run.networks.draft is not None)
+    tx, step = run.step_fn("sft", trained, rl.sft_learning_rate, rl.sft_batch)
+    state = init_state(
+        run.networks, run.initial_params, tx, trained, seed=cfg.seed, reference=False
+    )
+    width = cfg.rollout.max_new_tokens
+    for i in range(rl.sft_steps):
+        batch = tasks.problems(rl.task, 0, rl.sft_batch, cfg.seed, stream=1 + i)
+        prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, batch, run.prompt_width)
+        answers, answer_lengths = tasks.encode_answers(run.tokenizer, batch, width)
+        packed = packing.pack(
+            prompts, prompt_lengths, answers, answer_lengths, per_row=rl.sequences_per_row,
+            align=run.align,
+        )  # fmt: skip
+        state, metrics = step(state, run.put(packed))
+        if i % 25 == 0 or i == rl.sft_steps - 1:
+            log(f"sft {i}: " + ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items()))
+    return state.params
+
+
+def rollout_batch(run: Run, state, step: int):
+    """Prompts of `step`, a group of sampled responses each, their rewards, the packed batch."""
+    rl, cfg = run.rl, run.cfg
+    problems = tasks.problems(rl.task, step, rl.prompts, cfg.seed)
+    group = [p for p in problems for _ in range(rl.group_size)]
+    prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
+    policy, draft = run.networks.models(state.params)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
+    start = time.perf_counter()
+    out = generate(policy, draft, jnp.asarray(prompts), jnp.asarray(prompt_lengths), key,
+                   cfg.rollout)  # fmt: skip
+    tokens, lengths, logprobs = (np.asarray(x) for x in (out.tokens, out.lengths, out.logprobs))
+    seconds = time.perf_counter() - start
+    responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+    rewards = np.asarray([tasks.reward(p, r) for p, r in zip(group, responses, strict=True)])
+    advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
+    packed = packing.pack(
+        prompts, prompt_lengths, tokens, lengths, logprobs, advantages,
+        per_row=rl.sequences_per_row, align=run.align,
+    )  # fmt: skip
+    name, difficulty = tasks.task_at(rl.task, step)
+    metrics = {
+        "reward": float(rewards.mean()),
+        "accepted_length": out.stats.mean_accepted_length() if draft is not None else 1.0,
+        "response_length": float(lengths.mean()),
+        "rollout_tokens_per_s": float(lengths.sum()) / seconds,
+        "rollout_time": seconds,
+        "task": f"{name}:{difficulty}",
+    }
+    return run.put(packed), metrics
+
+
+class Metrics:
+    """metrics.jsonl (rewritten up to the resumed step, then appended) and TensorBoard."""
+
+    def __init__(self, run_dir: pathlib.Path, start_step: int):
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in kept if json.loads(ln)["step"] < start_step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.board = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            self.board = None
+
+    def write(self, step: int, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.board is not None:
+            for k, v in metrics.items():
+                if isinstance(v, float):
+                    self.board.add_scalar(k, v, step)
+
+
+def start_or_resume(run: Run, checkpoints: Checkpoints, log):
+    """The TrainState to continue from: the latest good checkpoint, else a fresh warm start."""
+    rl, cfg = run.rl, run.cfg
+    trained = trained_groups(run.mode, run.networks.draft is not None)
+    tx, step = run.step_fn("grpo", trained, rl.learning_rate, rl.batch)
+    new = lambda params: init_state(
+        run.networks, params, tx, trained, seed=cfg.seed, reference=rl.kl_coef > 0
+    )
+    if checkpoints.manager.all_steps():
+        state = checkpoints.restore_latest(new(run.initial_params))
+        if state is not None:
+            log(f"resumed from step {int(state.step)} in {checkpoints.directory}")
+            return state, step
+    state = new(warm_start(run, log))
+    checkpoints.save(0, state)
+    return state, step
+
+
+def main(argv=None) -> pathlib.Path:
+    args = parse_args(argv)
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    cfg = config_lib.load(args.config, args.overrides)
+    run_dir = pathlib.Path(args.run_dir or ROOT / "runs" / f"{cfg.name}-{args.draft}")
+    run = Run(cfg, args.draft)
+    log = (lambda msg: None) if args.quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
+    saved_config = {**config_lib.to_dict(cfg), "draft_mode": args.draft}
+    checkpoints = Checkpoints(run_dir / "checkpoints", saved_config, cfg.rl.keep_checkpoints)
+    state, train_step = start_or_resume(run, checkpoints, log)
+    first = int(state.step)
+    metrics_out = Metrics(run_dir, first)
+    last = cfg.rl.steps if args.stop_after is None else min(cfg.rl.steps, first + args.stop_after)
+    bar = tqdm(range(first, last), initial=first, total=cfg.rl.steps, disable=args.quiet)
+    for step in bar:
+        start = time.perf_counter()
+        batch, metrics = rollout_batch(run, state, step)
+        train_start = time.perf_counter()
+        state, train_metrics = train_step(state, batch)
+        train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+        now = time.perf_counter()
+        metrics.update(train_metrics, train_time=now - train_start, step_time=now - start)
+        metrics_out.write(step, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
+        )
+        if cfg.rl.save_every and (step + 1) % cfg.rl.save_every == 0 or step + 1 == last:
+            checkpoints.save(step + 1, state)
+    checkpoints.wait()
+    checkpoints.close()
+    log(f"metrics: {metrics_out.path}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    main()

@@ -76,3 +76,31 @@ def distill_eagle3(target, draft, sequences, lengths, steps: int, learning_rate:
     for _ in range(steps):
         params, opt_state = step(params, opt_state)
     return nnx.merge(graphdef, params, rest)
+
+
+def count_dots(jaxpr) -> int:
+    """dot_general operations a jaxpr runs: nested jaxprs included, scan bodies times their
+    length (so a layer stack counts each layer however the scan is cut)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    total += times * count_dots(sub)
+    return total
+
+
+def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int = 0):
+    """Right-padded prompts and responses of mixed lengths, sampler log-probs and advantages, as
+    `jspec.rl.packing.pack` takes them."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1, vocab, (rows, prompt_len)).astype(np.int32)
+    prompt_lengths = rng.integers(2, prompt_len + 1, rows).astype(np.int32)
+    responses = rng.integers(1, vocab, (rows, new)).astype(np.int32)
+    response_lengths = rng.integers(1, new + 1, rows).astype(np.int32)
+    logprobs = -rng.random((rows, new)).astype(np.float32)
+    advantages = rng.normal(size=rows).astype(np.float32)
+    return prompts, prompt_lengths, responses, response_lengths, logprobs, advantages

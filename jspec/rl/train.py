@@ -23,20 +23,18 @@ from jspec.rl.packing import PackedBatch
 from jspec.rl.state import Networks, TrainState, placement
 
 
-def make_train_step(
+def make_loss(
     networks: Networks,
-    tx: optax.GradientTransformation,
-    trained: tuple[str, ...],
     rl: RLConfig,
     rollout: RolloutConfig,
     *,
     objective: str = "grpo",
     num_sequences: int,
 ):
-    """A jitted `step(state, batch) -> (state, metrics)` for `objective` 'grpo' or 'sft'.
-
-    `trained` are the parameter groups `tx` updates ('policy', and 'draft' when co-trained);
-    `num_sequences` is the batch's sequence count (for sequence-level normalisation)."""
+    """`loss(trainable, fixed, reference, batch) -> (loss, metrics)`: the policy loss ('grpo' or
+    'sft') plus, when the draft is among the `trainable` params, the weighted draft loss; `fixed`
+    params are not differentiated (a frozen draft is only measured). `num_sequences` is the
+    batch's sequence count (for sequence-level normalisation)."""
     temperature = rollout.temperature
 
     def losses(trainable, fixed, reference, batch: PackedBatch):
@@ -67,6 +65,23 @@ def make_train_step(
             loss = loss + rl.draft_loss_weight * d.loss
         return loss, metrics
 
+    return losses
+
+
+def make_train_step(
+    networks: Networks,
+    tx: optax.GradientTransformation,
+    trained: tuple[str, ...],
+    rl: RLConfig,
+    rollout: RolloutConfig,
+    *,
+    objective: str = "grpo",
+    num_sequences: int,
+):
+    """A jitted `step(state, batch) -> (state, metrics)`: `make_loss`'s gradients, one update of
+    the groups `trained` by `tx` ('policy', and 'draft' when co-trained)."""
+    losses = make_loss(networks, rl, rollout, objective=objective, num_sequences=num_sequences)
+
     def step(state: TrainState, batch: PackedBatch):
         trainable = {k: state.params[k] for k in trained}
         fixed = {k: v for k, v in state.params.items() if k not in trained}
@@ -74,7 +89,7 @@ def make_train_step(
         updates, opt_state = tx.update(grads, state.opt_state, trainable)
         new = optax.apply_updates(trainable, updates)
         for name, g in grads.items():
-            metrics[f"{name}_grad_norm"] = optax.global_norm(g)
+            metrics[f"{name}_grad_norm"] = optax.tree.norm(g)
         state = state._replace(
             params={**state.params, **new}, opt_state=opt_state, step=state.step + 1
         )

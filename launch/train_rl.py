@@ -124,6 +124,7 @@ def warm_start(run: Run, log) -> dict:
         run.networks, run.initial_params, tx, trained, seed=cfg.seed, reference=False
     )
     width = cfg.rollout.max_new_tokens
+    start = time.perf_counter()
     for i in range(rl.sft_steps):
         batch = tasks.problems(rl.task, 0, rl.sft_batch, cfg.seed, stream=1 + i)
         prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, batch, run.prompt_width)
@@ -134,7 +135,8 @@ def warm_start(run: Run, log) -> dict:
         )  # fmt: skip
         state, metrics = step(state, run.put(packed))
         if i % 25 == 0 or i == rl.sft_steps - 1:
-            log(f"sft {i}: " + ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items()))
+            values = ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
+            log(f"warm start {i}: {values} ({time.perf_counter() - start:.0f} s)")
     return state.params
 
 

@@ -7,6 +7,7 @@ Compilation dominates on the CPU: shapes are tiny, the TTT has one branch pass i
 """
 
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
@@ -22,7 +23,7 @@ from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, Rollout
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl import packing
-from jspec.rl.draft_loss import draft_loss
+from jspec.rl.draft_loss import draft_loss, draft_passes
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_loss, make_train_step
 
@@ -49,29 +50,53 @@ def networks(mesh, draft=True):
     return Networks.split(policy, eagle, mesh)
 
 
+def test_training_time_test_passes_are_the_draft_at_inference():
+    """Pass i's hidden state at t is the draft's at depth i of a chain rooted after token t + 1:
+    the branch K/V, anchors, parents, positions and input shifts of the TTT match inference."""
+    target, draft = create(MODEL, seed=0), create_eagle3(Eagle3Config.for_target(MODEL), seed=1)
+    tokens = jnp.asarray(random_rollouts(1, 12, 1, MODEL.vocab_size)[0])
+    _, taps = target(tokens, taps=True)
+    embed = target.embed[...]
+    seg, pos = jnp.ones_like(tokens), jnp.arange(12)[None]
+    passes = jax.jit(draft_passes, static_argnums=6)(draft, embed, taps, tokens, seg, pos, 2)
+    t = 5
+    root = draft.prefill(
+        embed, tokens[:, : t + 1], jnp.array([t + 1]), tokens[:, t + 1], taps[:, :, : t + 1],
+        draft.init_cache(1, 16),
+    )  # fmt: skip
+    close(root.hidden[0], passes[0][0, t])
+    tree, hidden, parent = draft.empty_tree(1, 2), root.hidden[:, None], jnp.array([[-1]])
+    for depth in (1, 2):
+        token = tokens[:, t + 1 + depth][:, None]
+        _, hidden, k, v, anchor = draft.tree_step(
+            embed, token, hidden, depth, parent, root.cache, tree
+        )
+        tree, parent = tree.add(k, v, anchor, parent, depth - 1), jnp.array([[depth - 1]])
+        close(hidden[0, 0], passes[depth][0, t])
+
+
+@functools.cache
+def loss_and_gradients(context: int):
+    """Policy and draft losses and gradients of one packed batch on a mesh with `context` ranks
+    (and data=2), documents aligned for cp = 4 so every mesh reads the same rows."""
+    mesh = mesh_lib.make_mesh(MeshConfig(data=2, context=context), jax.devices()[: 2 * context])
+    nets, params = networks(mesh)
+    loss = make_loss(nets, RL, ROLLOUT, num_sequences=8)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    grads, metrics = jax.jit(jax.grad(loss, has_aux=True))(
+        params, {}, None, jax.device_put(packed(align=8), rows)
+    )
+    return jax.device_get((grads, metrics["draft_loss"], metrics["policy_loss"]))
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp):
-    batch = packed(align=8)  # documents aligned for cp = 4, so every mesh reads the same rows
-
-    def run(context):
-        devices = jax.devices()[: 2 * context]
-        mesh = mesh_lib.make_mesh(MeshConfig(data=2, context=context), devices)
-        nets, params = networks(mesh)
-        loss = make_loss(nets, RL, ROLLOUT, num_sequences=8)
-        grad = jax.jit(jax.grad(loss, has_aux=True))
-        grads, metrics = grad(params, {}, None, jax.device_put(batch, nets_rows(mesh)))
-        return jax.device_get((grads, metrics["draft_loss"], metrics["policy_loss"]))
-
-    (g1, d1, p1), (gc, dc, pc) = run(1), run(cp)
+    (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1), loss_and_gradients(cp)
     close(dc, d1)
     close(pc, p1)
     for name in ("policy", "draft"):
         for a, b in zip(jax.tree.leaves(gc[name]), jax.tree.leaves(g1[name]), strict=True):
             close(a, b)
-
-
-def nets_rows(mesh):
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
 
 def test_draft_adds_only_its_own_dot_operations():

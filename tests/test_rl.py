@@ -139,8 +139,8 @@ def test_draft_adds_only_its_own_dot_operations():
 LOOP = [
     "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
     "rl.task.name=sorting", "rl.task.difficulty=1", "rollout.max_new_tokens=6",
-    "rl.prompts=4", "rl.group_size=4", "rl.sequences_per_row=2", "rl.sft_batch=16",
-    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1",
+    "rl.prompts=8", "rl.group_size=8", "rl.sequences_per_row=2", "rl.sft_batch=16",
+    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1", "rl.learning_rate=2e-4",
 ]  # fmt: skip
 COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
 
@@ -159,9 +159,10 @@ def loop(run_dir, cache, *extra):
 
 
 def test_reward_rises_over_a_small_demo(tmp_path, cache):
-    rows = loop(tmp_path, cache, "rl.steps=12", "rl.sft_steps=40", "rl.learning_rate=2e-3")
+    """From a policy warm-started to succeed sometimes (about 1 in 7), GRPO raises the reward."""
+    rows = loop(tmp_path, cache, "rl.steps=24", "rl.sft_steps=60")
     rewards = [r["reward"] for r in rows]
-    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.02, rewards
 
 
 def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, capsys):

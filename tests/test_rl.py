@@ -184,3 +184,21 @@ def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, cap
     with pytest.raises(ConfigError, match=r"written with model=.* resume with the config"):
         loop(tmp_path / "killed", cache, *short, "model.hidden_size=64", "model.head_dim=16")
     assert sorted(p.name for p in ckpts.iterdir()) == before  # nothing lost
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rl.prompts=3", "rl.group_size=3", "rl.sequences_per_row=1"],
+            r"rl.prompts \* rl.group_size = 3 \* 3 = 9 does not split over the 8 rollout shards",
+        ),
+        (["rl.task.name=algebra"], r"rl.task.name='algebra' is not a task; use one of"),
+        (["rollout.max_new_tokens=3"], r"rollout.max_new_tokens=3 cannot hold the task's worked"),
+    ],
+)
+def test_bad_run_input_is_named_before_anything_is_built(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        args = [*LOOP, "rl.steps=1", "rl.sft_steps=1", *overrides, "--run-dir", str(tmp_path)]
+        train_rl.main([*args, "--compilation-cache", "", "--quiet"])
+    assert not (tmp_path / "checkpoints").exists()

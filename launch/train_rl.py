@@ -206,11 +206,15 @@ def start_or_resume(run: Run, checkpoints: Checkpoints, log):
     new = lambda params: init_state(
         run.networks, params, tx, trained, seed=cfg.seed, reference=rl.kl_coef > 0
     )
-    if checkpoints.manager.all_steps():
+    if steps := checkpoints.manager.all_steps():
         state = checkpoints.restore_latest(new(run.initial_params))
-        if state is not None:
-            log(f"resumed from step {int(state.step)} in {checkpoints.directory}")
-            return state, step
+        if state is None:
+            raise ConfigError(
+                f"none of the {len(steps)} checkpoints in {checkpoints.directory} restores (all "
+                "corrupt, reported above); move that directory away to start the run afresh."
+            )
+        log(f"resumed from step {int(state.step)} in {checkpoints.directory}")
+        return state, step
     state = new(warm_start(run, log))
     checkpoints.save(0, state)
     return state, step

@@ -329,7 +329,7 @@ class RLConfig:
     def batch(self) -> int:
         return self.prompts * self.group_size
 
-    def validate(self, rollout: RolloutConfig, where: str = "rl") -> None:
+    def validate(self, where: str = "rl") -> None:
         self.task.validate(f"{where}.task")
         for name in ("steps", "prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
             if getattr(self, name) < 1:
@@ -353,6 +353,10 @@ class RLConfig:
         _choice(f"{where}.normalization", self.normalization, _NORMALIZATIONS)
         if not 0 < self.ttt_decay <= 1:
             raise ConfigError(f"{where}.ttt_decay={self.ttt_decay} must be in (0, 1].")
+
+    def check_rollout(self, rollout: RolloutConfig) -> None:
+        """Raises ConfigError for rollouts GRPO cannot learn from (checked by an RL run only, so
+        the same config still decodes greedily elsewhere)."""
         if rollout.temperature <= 0 or rollout.top_p != 1 or rollout.top_k != 0:
             raise ConfigError(
                 f"rollout.temperature={rollout.temperature}, top_p={rollout.top_p}, "
@@ -417,7 +421,7 @@ class Config:
         self.model.validate("model")
         self.rollout.validate(self.model)
         if self.rl is not None:
-            self.rl.validate(self.rollout)
+            self.rl.validate()
         return self
 
 

@@ -70,6 +70,7 @@ class Run:
                 f"config {cfg.name!r} has no rl section; add one (see configs/demo.yaml)."
             )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
+        self.rl.check_rollout(cfg.rollout)
         self.mesh = mesh_lib.make_mesh(cfg.mesh)
         self.rl.check_mesh(dict(self.mesh.shape))
         self.tokenizer = tasks.ByteTokenizer()

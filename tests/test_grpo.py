@@ -99,13 +99,21 @@ def test_tasks_reward_exactly_and_shift():
         (["rl.task.shifted_name=sortin"], r"Did you mean 'sorting'"),
         (["rl.group_size=1"], r"rl.group_size=1: group-relative advantages need at least 2"),
         (["rl.sequences_per_row=3"], r"rl.sequences_per_row=3 does not divide the batch"),
-        (["rollout.temperature=0"], r"GRPO needs sampled rollouts"),
         (["rl.normalization=batch"], r"rl.normalization='batch' is not one of 'token'"),
     ],
 )
 def test_bad_rl_config_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config.load("demo", overrides)
+
+
+def test_rollouts_grpo_cannot_learn_from_are_named():
+    cfg = config.load("demo", ["rollout.temperature=0"])  # loads: greedy decoding elsewhere
+    with pytest.raises(ConfigError, match=r"GRPO needs sampled rollouts"):
+        cfg.rl.check_rollout(cfg.rollout)
+    cfg = config.load("demo", ["rollout.eos_id=null"])
+    with pytest.raises(ConfigError, match=r"rollout.eos_id is unset"):
+        cfg.rl.check_rollout(cfg.rollout)
 
 
 def test_batch_that_does_not_split_over_the_mesh_is_named():

@@ -15,7 +15,8 @@ from helpers import chi_square_p_value, distill_eagle3, noisy_copy
 
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.decoding as decoding
-from jspec.config import ConfigError, ModelConfig, RolloutConfig, TreeConfig
+from jspec.config import ConfigError, MeshConfig, ModelConfig, RolloutConfig, TreeConfig
+from jspec.mesh import make_mesh
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, ExternalDraft, create_eagle3
 from jspec.sampler import generate, sampling_probs
@@ -101,6 +102,17 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
     assert not np.asarray(got.stats.failed).any()
     if tree != "chain":
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
+
+
+def test_rollout_on_the_training_mesh_matches_one_device(setup):
+    """Rows over data x context (extra data parallelism in rollout), heads over tensor."""
+    s = setup
+    target = create(CONFIG, mesh=make_mesh(MeshConfig(data=2, context=2, tensor=2)))
+    draft = ExternalDraft(noisy_copy(target, 0.1))
+    config = greedy(eos_id=s["eos"], tree=TREES["static"])
+    got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    assert got.tokens.sharding.num_devices == 8
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
 
 
 # ---------------------------------------------------------------------------------------------

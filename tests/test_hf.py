@@ -146,6 +146,14 @@ def test_dtype_follows_the_checkpoint_unless_asked(tmp_path):
     np.testing.assert_array_equal(as_f32.embed[...], model.embed[...].astype(jnp.float32))
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_checkpoints_of_any_layer_count_load(tmp_path, layers):
+    """Only a model with an EAGLE-3 draft attached needs three distinct tap layers."""
+    config = transformers.Qwen3Config(**{**SIZES, "num_hidden_layers": layers})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert hf.load(tmp_path).config.num_layers == layers
+
+
 def test_config_from_legacy_hf_dict():
     """transformers 4 wrote rope_theta at the top level and Llama 3 scaling under rope_scaling."""
     legacy = {

@@ -170,6 +170,68 @@ def test_random_trees_with_trunk(cp):
     assert jnp.all(jnp.where((anchor < 0)[..., None, None], out, 0.0) == 0.0)
 
 
+# ---------------------------------------------------------------------------------------------
+# Call styles, as a user makes them: eager or under jit, Explicit or Auto mesh axes, and the three
+# ways to differentiate.
+
+EXPLICIT = jax.sharding.AxisType.Explicit
+
+
+def loss_of(out):
+    return sum(jnp.sum(jnp.sin(3.0 * o) * o) for o in jax.tree.leaves(out))
+
+
+def differentiate(how, fn, args):
+    """fn(*args) and the gradients of `loss_of` it w.r.t. every arg, by jax.`how`."""
+    argnums = tuple(range(len(args)))
+    if how == "value_and_grad":
+        (_, out), grads = jax.value_and_grad(
+            lambda *a: (loss_of(fn(*a)), fn(*a)), argnums, has_aux=True
+        )(*args)
+    elif how == "grad":
+        out, grads = fn(*args), jax.grad(lambda *a: loss_of(fn(*a)), argnums)(*args)
+    else:
+        out, pullback = jax.vjp(fn, *args)
+        grads = pullback(jax.grad(loss_of)(out))
+    return out, grads
+
+
+HOWS = ("value_and_grad", "grad", "vjp")
+
+
+def trunk_and_tree_inputs(rng, b, t, n):
+    """(q, k, v) of t trunk tokens and (q, k, v) of n branch nodes: every float input."""
+    return tuple(normal(rng, b, length, heads, D) for length in (t, n) for heads in (HQ, HKV, HKV))
+
+
+def with_tree(attend, seg, pos, anchor, parent, **kw):
+    """`attend` over packed rows and a tree, as a function of `trunk_and_tree_inputs`."""
+
+    def fn(q, k, v, bq, bk, bv):
+        return attend(q, k, v, seg, pos, branch=Branch(bq, bk, bv, anchor, parent), **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_context_parallel_call_styles(axis_type):
+    """Plain arrays in, a mesh of either axis type: eager and jit, every way to differentiate."""
+    rng = np.random.default_rng(5)
+    b, t, n = 2, 16, 6
+    seg, pos = packed_rows(rng, b, t, 4)
+    anchor, parent = random_tree(rng, b, n, seg)
+    mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices()[:4])  # fmt: skip
+    args = trunk_and_tree_inputs(rng, b, t, n)
+    ref = with_tree(reference_attention, seg, pos, anchor, parent)
+    want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
+    fn = with_tree(context_parallel_attention, seg, pos, anchor, parent, mesh=mesh, **BLOCKS)
+    for how in HOWS:
+        assert_close(differentiate(how, fn, args), want)
+    for how in ("value_and_grad", "vjp"):  # grad compiles as value_and_grad does
+        assert_close(jax.jit(functools.partial(differentiate, how, fn))(args), want)
+
+
 def test_decode_queries_single_device():
     """Decode: one query per row against a cache holding a few documents and empty slots."""
     rng = np.random.default_rng(7)
@@ -250,16 +312,28 @@ def test_misaligned_document_is_named():
         context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
 
 
-def test_misaligned_document_under_jit_gives_nan_not_a_wrong_answer():
-    seg = jnp.asarray([[1] * 8 + [2] * 6 + [0] * 2])
-    pos = jnp.asarray([list(range(8)) + list(range(6)) + [0, 0]])
-    k = jnp.ones((1, 16, HKV, D))
-    run = jax.jit(
-        lambda k, seg, pos: context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
-    )
-    assert jnp.all(jnp.isnan(run(k, seg, pos)))
+def test_misaligned_row_under_jit_is_nan_and_leaves_other_rows_exact():
+    """Under jit the ids are abstract: the row holding a misaligned document is NaN (gradients
+    zero); the rows beside it keep exact outputs and gradients, tree included."""
+    rng = np.random.default_rng(9)
+    b, t, n = 3, 16, 5
+    seg, pos = packed_rows(rng, b, t, 4)
+    seg = seg.at[1].set(jnp.asarray([1] * 6 + [2] * 10))  # 6 is not a multiple of 2 * cp = 4
+    pos = pos.at[1].set(jnp.asarray(list(range(6)) + list(range(10))))
+    anchor, parent = random_tree(rng, b, n, seg)
+    args = trunk_and_tree_inputs(rng, b, t, n)
+    ref = with_tree(reference_attention, seg, pos, anchor, parent)
+    want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
+    run = jax.jit(lambda seg, pos, args: differentiate("value_and_grad", with_tree(
+        context_parallel_attention, seg, pos, anchor, parent, mesh=context_mesh(2)
+    ), args))  # fmt: skip
+    got = run(seg, pos, args)
+    good = jnp.asarray([0, 2])
+    assert_close(jax.tree.map(lambda x: x[good], got), jax.tree.map(lambda x: x[good], want))
+    assert all(jnp.all(jnp.isnan(x[1])) for x in got[0])
+    assert all(jnp.all(g[1] == 0) for g in got[1])
     with pytest.raises(ValueError, match=r"sequence length 18 is not a multiple of 2 \* cp = 4"):
-        run(jnp.ones((1, 18, HKV, D)), jnp.ones((1, 18), jnp.int32), jnp.zeros((1, 18), jnp.int32))
+        run(jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32), args)
 
 
 def test_bad_shapes_and_impl_are_named():

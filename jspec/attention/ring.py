@@ -72,6 +72,15 @@ def _ring_size(axis_name):
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)
 
 
+def _varying(x, axis_name):
+    """x typed as varying over the ring axis (shard_map's check_vma): every value the ring's loops
+    combine then carries one type, and the gradient of a replicated input is summed over the ring.
+    A no-op off a ring, where x already varies, or where check_vma is off."""
+    if x is None or axis_name is None or axis_name in jax.typeof(x).mat.varying:
+        return x
+    return jax.lax.pcast(x, axis_name, to="varying")
+
+
 def _shift(xs, axis_name):
     """Send to the next rank of the ring, receive from the previous one (identity off a ring)."""
     n = _ring_size(axis_name)
@@ -91,8 +100,8 @@ def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, 
     """(o, lse) in float32. One accumulator, filled first by the local branch-to-branch part,
     then by every ring step in place: no partial result is ever held beside it."""
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
-    o = jnp.zeros(q.shape, jnp.float32)
-    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    o = jnp.zeros_like(q, jnp.float32)
+    lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
     if bk is not None:
         rows = slice(*st.branch_rows)
         ob, lseb = blocks.branch_fwd(q[:, rows], bk, bv, b_nodes, b_parent, scale=st.scale)
@@ -130,7 +139,7 @@ def _ring_bwd(st, res, do):
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = jnp.zeros_like(q, jnp.float32)
     dbk = dbv = None
     if bk is not None:
         rows = slice(*st.branch_rows)
@@ -151,7 +160,7 @@ def _ring_bwd(st, res, do):
         dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
         return (dq, kv_next, dkv), None
 
-    init = (dq, (k, v, k_seg, k_pos), (jnp.zeros(k.shape, jnp.float32),) * 2)
+    init = (dq, (k, v, k_seg, k_pos), (jnp.zeros_like(k, jnp.float32),) * 2)
     (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
     return (
         dq.astype(q.dtype),
@@ -287,7 +296,8 @@ def _attend(
 
     st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
     bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
-    out = _ring(st, q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
+    args = (q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
+    out = _ring(st, *(_varying(x, axis_name) for x in args))
     trunk_out = None if q is None else out[:, :n_trunk]
     if branch is None:
         return trunk_out

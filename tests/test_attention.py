@@ -4,6 +4,7 @@ Error is max |x - ref| / max |ref| over outputs and every gradient, in float32, 
 """
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -371,29 +372,71 @@ def test_misaligned_row_under_jit_is_nan_and_leaves_other_rows_exact():
     assert all(jnp.all(jnp.isnan(x[1])) for x in got[0])
     assert all(jnp.all(g[1] == 0) for g in got[1])
     with pytest.raises(ValueError, match=r"sequence length 18 is not a multiple of 2 \* cp = 4"):
-        run(jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32), args)
+        run(jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32),
+            trunk_and_tree_inputs(rng, b, 18, n))  # fmt: skip
 
 
-def test_bad_shapes_and_impl_are_named():
+def mistake(kind):
+    """A call with one mistake of `kind`, on one row of 16 tokens and a tree of 3 nodes."""
+    q, k = jnp.zeros((1, 16, HQ, D)), jnp.zeros((1, 16, HKV, D))
+    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    tree = dict(q=q[:, :3], k=k[:, :3], v=k[:, :3], anchor=jnp.full((1, 3), 15))
+    tree["parent"] = jnp.asarray([[-1, 0, 1]])
+    bad = {
+        "bool_segment_ids": dict(segment_ids=seg > 0),
+        "parent_out_of_range": dict(branch=Branch(**tree | dict(parent=jnp.asarray([[-1, 0, 7]])))),
+        "parent_cycle": dict(branch=Branch(**tree | dict(parent=jnp.asarray([[-1, 2, 1]])))),
+        "anchor_out_of_range": dict(branch=Branch(**tree | dict(anchor=jnp.full((1, 3), 16)))),
+        "tuple_branch": dict(branch=tuple(tree.values())),
+        "heads_not_a_multiple": dict(q=jnp.zeros((1, 16, 3, D))),
+        "heads_first_layout": dict(q=jnp.swapaxes(q, 1, 2)),
+        "no_query_nodes": dict(branch=Branch(**tree | dict(q=q[:, :2]))),
+        "impl": dict(impl="cudnn"),
+        "segment_ids_shape": dict(segment_ids=seg[:, :8]),
+    }[kind]
+    return dict(q=q, k=k, v=k, segment_ids=seg, positions=pos) | bad
+
+
+MISTAKES = {
+    "bool_segment_ids": r"segment_ids must be integers \(int32\); got bool",
+    "parent_out_of_range": r"branch.parent\[0, 2\] = 7: a parent is the index of an earlier node",
+    "parent_cycle": r"branch.parent\[0, 1\] = 2: a parent is the index of an earlier node",
+    "anchor_out_of_range": r"branch.anchor\[0, 0\] = 16: an anchor is the index of a trunk key",
+    "tuple_branch": r"branch must be a jspec.attention.Branch; got tuple",
+    "heads_not_a_multiple": r"Hq a multiple of Hkv=2 \(the heads of k\); got \(1, 16, 3, 8\)",
+    "heads_first_layout": r"q \(1, 4, 16, 8\) looks like \[B,H,T,D\].*jnp.swapaxes\(q, 1, 2\)",
+    "no_query_nodes": r"branch.q has 2 queries for 3 nodes: pass branch.query_nodes",
+    "impl": r"impl='cudnn' is not available",
+    "segment_ids_shape": r"k and v must both be \[B,Tk,Hkv,D\] with \[B,Tk\]=\(1, 8\) from segm",
+}
+
+
+@pytest.mark.parametrize("kind", MISTAKES)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mistakes_are_named_in_the_callers_terms(kind, cp):
+    """The same message from `attention` and `context_parallel_attention` (global shapes),
+    before anything is compiled."""
+    call = (
+        attention
+        if cp == 1
+        else functools.partial(context_parallel_attention, mesh=context_mesh(cp))
+    )
+    with pytest.raises((ValueError, TypeError), match=MISTAKES[kind]):
+        call(**mistake(kind))
+
+
+def test_mesh_none_is_named():
     k = jnp.zeros((1, 16, HKV, D))
-    seg = jnp.ones((1, 16), jnp.int32)
-    pos = jnp.arange(16)[None]
-    with pytest.raises(ValueError, match="Hq a multiple of Hkv=2"):
-        attention(jnp.zeros((1, 16, 3, D)), k, k, seg, pos)
-    with pytest.raises(ValueError, match="impl='cudnn' is not available"):
-        attention(jnp.zeros((1, 16, 4, D)), k, k, seg, pos, impl="cudnn")
-    with pytest.raises(ValueError, match="segment_ids must be"):
-        attention(jnp.zeros((1, 16, 4, D)), k, k, seg[:, :8], pos)
-    with pytest.raises(ValueError, match="pass branch.query_nodes"):
-        z = jnp.zeros((1, 3), jnp.int32)
-        attention(
-            None,
-            k,
-            k,
-            seg,
-            pos,
-            branch=Branch(jnp.zeros((1, 2, 4, D)), k[:, :3], k[:, :3], z, z - 1),
-        )
+    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got NoneType"):
+        context_parallel_attention(k, k, k, seg, pos, mesh=None)
+
+
+def test_readme_example_runs():
+    """The README's "Using jspec.attention" example runs as written (8 devices: conftest)."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("## Using jspec.attention")[1].split("```python\n")[1].split("```")[0]
+    exec(compile(code, "README.md", "exec"), {})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import explicit, zigzag
+from jspec.attention import checks, explicit, zigzag
 from jspec.attention.branch import Branch
-from jspec.attention.ring import ring_attention
+from jspec.attention.ring import IMPLS, ring_attention
 
 
 def _slots(rank, cp: int, capacity: int):
@@ -113,9 +113,16 @@ def context_parallel_attention(
     outputs of a row holding a misaligned document are NaN, and the other rows are exact. Same
     results as `attention`, wherever inputs live.
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh with an axis {axis!r} to spread the rows over; got "
+            f"{type(mesh).__name__}. For example jax.make_mesh((cp,), ({axis!r},)); on one "
+            "device call jspec.attention.attention instead."
+        )
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
     cp = mesh.shape[axis]
+    checks.check_inputs(q, k, v, segment_ids, positions, None, None, branch, impl, IMPLS)
     zigzag.check_alignment(segment_ids, cp)
     mesh = explicit.auto_mesh(mesh)
     ring = sharded_ring(mesh, axis, scale, impl, block_q, block_k)

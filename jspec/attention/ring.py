@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, masks, pallas_gpu
+from jspec.attention import blocks, checks, masks, pallas_gpu
 from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
@@ -184,70 +184,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # The public entry points: checks, the query array, padding to whole tiles.
 
 
-def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl):
-    if q is None and branch is None:
-        raise ValueError("nothing to attend: q is None and there is no branch.")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not available; choose one of {IMPLS}.")
-    if k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"k and v must both be [B,Tk,Hkv,D]; got k {k.shape}, v {v.shape}.")
-    b, tk, hkv, d = k.shape
-    for name, x in (("segment_ids", segment_ids), ("positions", positions)):
-        if x.shape != (b, tk):
-            raise ValueError(f"{name} must be [B,Tk]={(b, tk)} like k; got {x.shape}.")
-    if q is not None and branch is not None and branch.q.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"branch.q has {branch.q.shape[2]} heads but q has {q.shape[2]}; both must be "
-            "[B,*,Hq,D] with the same Hq."
-        )
-    queries = [("q", q)] + ([("branch.q", branch.q)] if branch is not None else [])
-    for name, x in queries:
-        if x is None:
-            continue
-        if x.ndim != 4 or x.shape[0] != b or x.shape[3] != d or x.shape[2] % hkv:
-            raise ValueError(
-                f"{name} must be [B,T,Hq,D] with B={b}, D={d} and Hq a multiple of Hkv={hkv}; "
-                f"got {x.shape}."
-            )
-    if (q_segment_ids is None) != (q_positions is None):
-        raise ValueError("pass q_segment_ids and q_positions together, or neither.")
-    if q is not None:
-        want = q.shape[:2]
-        if q_segment_ids is None and want != (b, tk):
-            raise ValueError(
-                f"q has {q.shape[1]} tokens but k has {tk}: for cross attention pass "
-                "q_segment_ids and q_positions [B,Tq]."
-            )
-        if q_segment_ids is not None and (q_segment_ids.shape != want or q_positions.shape != want):
-            raise ValueError(
-                f"q_segment_ids and q_positions must be [B,Tq]={want}; got "
-                f"{q_segment_ids.shape} and {q_positions.shape}."
-            )
-    if branch is not None:
-        n = branch.k.shape[1]
-        if branch.k.shape[::2] != (b, hkv) or branch.v.shape != branch.k.shape:
-            raise ValueError(
-                f"branch.k and branch.v must be [B,N,Hkv,D] with B={b}, Hkv={hkv}, D={d}; got "
-                f"{branch.k.shape} and {branch.v.shape}."
-            )
-        if branch.k.shape[3] != d:
-            raise ValueError(f"branch.k head dim {branch.k.shape[3]} differs from k's {d}.")
-        for name in ("anchor", "parent"):
-            if getattr(branch, name).shape != (b, n):
-                raise ValueError(
-                    f"branch.{name} must be [B,N]={(b, n)}; got {getattr(branch, name).shape}."
-                )
-        nq = branch.q.shape[1]
-        if branch.query_nodes is None and nq != n:
-            raise ValueError(
-                f"branch.q has {nq} queries for {n} nodes: pass branch.query_nodes [B,Nq]."
-            )
-        if branch.query_nodes is not None and branch.query_nodes.shape != (b, nq):
-            raise ValueError(
-                f"branch.query_nodes must be [B,Nq]={(b, nq)}; got {branch.query_nodes.shape}."
-            )
-
-
 def _attend(
     q,
     k,
@@ -264,7 +200,9 @@ def _attend(
     block_q,
     block_k,
 ):
-    _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl)
+    checks.check_inputs(
+        q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl, IMPLS
+    )
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     if q_segment_ids is None:
         q_segment_ids, q_positions = segment_ids, positions
@@ -323,7 +261,7 @@ def attention(
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
     branch. `block_q`, `block_k` set the tile (default 512 x 512, clipped to the lengths).
-    Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.
+    Visibility is the contract's (docs/attention.md); `reference.py` is its dense statement.
     """
     return _attend(
         q,

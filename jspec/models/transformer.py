@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
-from jspec.attention.zigzag import check_alignment, concrete, misaligned
+from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
 from jspec.config import ConfigError, ModelConfig
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
@@ -399,8 +399,8 @@ class Transformer(nnx.Module):
         x_BTD = self._embed(tokens, TRAIN_ACT)
         x_BTD, taps_ = self._scan(x_BTD, rope_angles(self.config, positions), attend, taps)
         logits = self._logits(x_BTD, TRAIN_ACT)
-        if cp > 1:  # a misaligned document (known only under jit) poisons the result with NaN
-            logits = jnp.where(misaligned(natural_seg, cp), jnp.nan, logits)
+        if cp > 1:  # a misaligned document (known only under jit) marks its row with NaN
+            logits = mark_misaligned(logits, natural_seg, cp)
             logits = zigzag_unshard(logits, natural_seg, cp)
             taps_ = [zigzag_unshard(x, natural_seg, cp) for x in taps_]
         return (logits, jnp.stack(taps_)) if taps else logits

@@ -18,6 +18,7 @@ from jspec.attention import (
     attention,
     blocks,
     context_parallel_attention,
+    decode,
     reference_attention,
     ring_attention,
     zigzag,
@@ -285,6 +286,30 @@ def test_decode_queries_single_device():
     impl = functools.partial(attention, segment_ids=seg, positions=pos, **kw, **BLOCKS)
     assert_close(
         value_and_grads(impl, q, k, v, None, None), value_and_grads(ref, q, k, v, None, None)
+    )
+
+
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_decode_impl_matches_reference(monkeypatch, chunk):
+    """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
+    values and gradients; a small chunk exercises the online softmax across cache chunks."""
+    monkeypatch.setattr(decode, "CHUNK", chunk)
+    rng = np.random.default_rng(11)
+    b, s, n = 3, 80, 7
+    seg, pos = packed_rows(rng, b, s, 4)
+    k, v = normal(rng, b, s, HKV, D), normal(rng, b, s, HKV, D)
+    q = normal(rng, b, 2, HQ, D)
+    q_seg = jnp.concatenate([seg[:, :1], jnp.zeros((b, 1), jnp.int32)], axis=1)  # 2nd: padding
+    q_pos = jnp.max(jnp.where(seg == seg[:, :1], pos, 0), axis=1, keepdims=True) + 1
+    kw = dict(q_segment_ids=q_seg, q_positions=jnp.concatenate([q_pos, q_pos], axis=1))
+    anchor, parent = random_tree(rng, b, n, seg)
+    make_branch = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)
+    branch_qkv = tuple(normal(rng, b, n, h, D) for h in (HQ, HKV, HKV))
+    ref = functools.partial(reference_attention, segment_ids=seg, positions=pos, **kw)
+    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, impl="decode")
+    assert_close(
+        value_and_grads(got, q, k, v, branch_qkv, make_branch),
+        value_and_grads(ref, q, k, v, branch_qkv, make_branch),
     )
 
 

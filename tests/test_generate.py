@@ -270,7 +270,7 @@ def test_bad_input_is_named(setup, name):
     changes, make_draft, message = BAD[name]
     prompts, lengths = random_prompts(2, 5, seed=0)
     with pytest.raises((ConfigError, ValueError), match=message):
-        config = RolloutConfig(max_new_tokens=4, **changes)
+        config = RolloutConfig(**{"max_new_tokens": 4, **changes})
         draft = make_draft and make_draft()
         generate(setup["target"], draft, prompts, lengths, jax.random.key(0), config)
 

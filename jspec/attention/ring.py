@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, checks, masks, pallas_gpu
+from jspec.attention import blocks, checks, decode, masks, pallas_gpu
 from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
@@ -29,7 +29,8 @@ BLOCK_K = 512
 PALLAS_PAD = 128  # a multiple of every Pallas tile, so the kernel never pads per ring step
 # The block kernel: "xla" (portable), "pallas" (NVIDIA GPU), "pallas_interpret" (the Pallas kernel
 # in Pallas' interpreter on any backend: slow, for tests); "auto" takes "pallas" where it runs.
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+# "decode": few queries per row against a long cache, on one device (`decode.py`: rollouts).
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "decode")
 
 
 class _Static(NamedTuple):
@@ -218,6 +219,19 @@ def _attend(
         parts.append((branch.q.astype(q.dtype) if q is not None else branch.q, seg, pos))
     n_trunk = 0 if q is None else q.shape[1]
     n_rows = sum(p[0].shape[1] for p in parts)
+    bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
+    if impl == "decode":
+        if axis_name is not None:
+            raise ValueError("impl='decode' runs on one device; use impl='auto' in the ring.")
+        q_all, q_seg, q_pos = (jnp.concatenate(xs, axis=1) for xs in zip(*parts, strict=True))
+        nodes = None
+        if branch is not None:
+            trunk_rows = jnp.full((k.shape[0], n_trunk), -1, jnp.int32)
+            nodes = jnp.concatenate([trunk_rows, b_nodes], axis=1)
+        out = decode.decode_attention(
+            q_all, q_seg, q_pos, k, v, segment_ids, positions, nodes, bk, bv, parent, scale=scale
+        ).astype(q_all.dtype)
+        return _split_rows(out, q, branch, n_trunk, n_rows)
 
     kernel = _resolve(impl, k.shape[-1])
     if kernel == "xla":
@@ -233,9 +247,13 @@ def _attend(
     k_all, v_all, k_seg, k_pos = (blocks.pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
     st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
-    bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
     args = (q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
     out = _ring(st, *(_varying(x, axis_name) for x in args))
+    return _split_rows(out, q, branch, n_trunk, n_rows)
+
+
+def _split_rows(out, q, branch, n_trunk: int, n_rows: int):
+    """The trunk output, or (trunk, branch) outputs, of the concatenated query rows."""
     trunk_out = None if q is None else out[:, :n_trunk]
     if branch is None:
         return trunk_out

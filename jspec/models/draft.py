@@ -48,6 +48,7 @@ from jspec.models.transformer import (
     TreeKV,
     _param,
     attention_sublayer,
+    cache_attention,
     create,
     create_sharded,
     last_valid,
@@ -278,10 +279,7 @@ class Eagle3Draft(nnx.Module):
     def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
 
-        def attend(q, k, v):
-            branch = tree.branch(0, q, k, v, anchor, parent)
-            kc, vc, seg, pos = cache.k[0], cache.v[0], cache.segment_ids, cache.positions
-            return attention(None, kc, vc, seg, pos, branch=branch)[1]
+        attend = lambda q, k, v: cache_attention(cache, 0, tree.branch(0, q, k, v, anchor, parent))
 
         cos_sin = rope_angles(self.config.layer, positions)
         out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)

@@ -42,6 +42,10 @@ from jspec.config import ConfigError, ModelConfig
 TRAIN_ACT = ("batch", "seq")
 ROLLOUT_ACT = ("decode_batch", None)
 
+# Rollout queries per row up to which attention takes the few-query path (`impl="decode"`: one read
+# of the cache for all queries of a row); longer prefills take the block kernels.
+FEW_QUERIES = 64
+
 KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
 Taps = Float[Array, "taps b t d"]  # hidden states entering the layers config.taps (T may be absent)
 
@@ -292,7 +296,20 @@ class CacheWriter:
         return attention(
             q, k_all[i], v_all[i], c.segment_ids, c.positions,
             q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
+            impl=rollout_impl(q.shape[1]),
         )  # fmt: skip
+
+
+def rollout_impl(queries: int) -> str:
+    """The attention path of rollout queries: few per row take `impl="decode"`."""
+    return "decode" if queries <= FEW_QUERIES else "auto"
+
+
+def cache_attention(cache: KVCache, layer: int, branch: Branch):
+    """Branch nodes (verification, draft trees) against one layer of the cache."""
+    k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
+    impl = rollout_impl(branch.q.shape[1])
+    return attention(None, k, v, seg, pos, branch=branch, impl=impl)[1]
 
 
 def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
@@ -491,8 +508,7 @@ class Transformer(nnx.Module):
                 branch = Branch(q, k, v, anchor, parent)
             else:
                 branch = earlier.branch(i, q, k, v, anchor, parent)
-            kc, vc = cache.k[i], cache.v[i]
-            return attention(None, kc, vc, cache.segment_ids, cache.positions, branch=branch)[1]
+            return cache_attention(cache, i, branch)
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
         x_BND, taps_, (k, v) = self._unrolled(

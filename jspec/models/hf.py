@@ -3,8 +3,10 @@
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Loading reads one tensor at a time with safetensors' numpy
 framework, stacks the layers, and places each parameter straight onto its sharding
-(`jax.make_array_from_callback`: every device receives only its own slice); the host holds one
-parameter at a time, and no device ever holds a full copy of a sharded one.
+(`jax.make_array_from_callback`: every device receives only its own slice, read from the tensors
+of its layers and experts alone); the host holds one device's slice of one parameter at a time
+(the experts of a 235B-A22B layer stack are 150 GB), and no device ever holds a full copy of a
+sharded one.
 
 Layout: Hugging Face linear weights are [out, in]; jspec keeps them [in, out] with heads split out
 (`wq [D,H,E]`, `wo [H,E,D]`), and stacks layers on a leading axis (dense-MLP and sparse layers in
@@ -284,13 +286,19 @@ class _Reader:
             )
         return w
 
-    def param(self, path: tuple[str, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
-        """The jspec parameter at `path` in jspec layout (per-layer, per-expert tensors stacked)."""
-        out = np.empty(shape, dtype)
+    def param(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, index=()) -> np.ndarray:
+        """The slice `index` (slices, leading axes; default all) of the jspec parameter at `path`
+        in jspec layout, reading only the per-layer and per-expert tensors that the slice covers."""
         keys, n_in = _tensors(path, self.config)
+        stacked = len(keys[0][1])  # leading axes that enumerate tensors (layers, experts)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        kept = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
+        out = np.empty([len(r) for r in kept], dtype)
+        one = shape[stacked:]
         for key, at in keys:
-            one = shape[len(at) :]
-            out[at] = _from_hf(self.tensor(key, _hf_shape(one, n_in)), one, n_in)
+            if all(i in r for i, r in zip(at, kept[:stacked], strict=True)):
+                w = _from_hf(self.tensor(key, _hf_shape(one, n_in)), one, n_in)
+                out[tuple(r.index(i) for i, r in zip(at, kept, strict=False))] = w[index[stacked:]]
         return out
 
 
@@ -319,12 +327,12 @@ def load(
     with contextlib.ExitStack() as stack:
         reader = _Reader(root, config, stack)
         for keys, var in nnx.to_flat_state(state):
-            host = reader.param(keys, tuple(var.shape), np_dtype)
+            shape = tuple(var.shape)
             if mesh is None:
-                array = jax.device_put(host)
+                array = jax.device_put(reader.param(keys, shape, np_dtype))
             else:  # each device receives its own slice only
-                sharding = mesh_lib.sharding(mesh, var.axes)
-                array = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
+                read = lambda i, keys=keys, shape=shape: reader.param(keys, shape, np_dtype, i)
+                array = jax.make_array_from_callback(shape, mesh_lib.sharding(mesh, var.axes), read)
             node = values
             for k in keys[:-1]:
                 node = node.setdefault(k, {})

@@ -4,6 +4,7 @@ forward (the checks of test_transformer.py, rerun on a model with mixed dense an
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -25,7 +26,8 @@ from test_transformer import (  # noqa: F401  (rerun here on the MoE model of `m
 from jspec import config as config_lib
 from jspec.config import ConfigError, MeshConfig
 from jspec.mesh import make_mesh, sharding
-from jspec.models import Transformer, create, hf
+from jspec.models import Transformer, create, hf, moe
+from jspec.models.transformer import TRAIN_ACT
 
 # test_transformer's model with 8 experts of width 32, top-2; layer 1 dense, layers 0 and 2 sparse.
 CONFIG = dataclasses.replace(
@@ -54,8 +56,8 @@ def model():
 def checkpoints(tmp_path_factory):
     """name -> (transformers Qwen3MoeForCausalLM, its save_pretrained directory)."""
     out = {}
-    for name, moe in HF_VARIANTS.items():
-        config = transformers.Qwen3MoeConfig(**test_hf.SIZES, moe_intermediate_size=32, **moe)
+    for name, experts in HF_VARIANTS.items():
+        config = transformers.Qwen3MoeConfig(**test_hf.SIZES, moe_intermediate_size=32, **experts)
         model = test_hf.hf_model(config)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
@@ -166,6 +168,23 @@ def test_expert_parallel_loss_and_grads_match_one_device(model, reference, shape
     assert w_gate.sharding.is_equivalent_to(
         sharding(mesh, ("layers", "expert", "embed", "moe_mlp")), 4
     )
+
+
+def test_gpu_exchange_traces_with_its_gradient(monkeypatch):
+    """XLA:CPU cannot run `jax.lax.ragged_all_to_all`, but it can lower the GPU path: the exchange
+    and its transpose type-check inside shard_map (the GPU benchmark checks its values)."""
+    monkeypatch.setattr(moe, "_ragged_all_to_all", lambda mesh: jax.lax.ragged_all_to_all)
+    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(4, 8, 16)).astype(np.float32)
+    experts = rng.randint(0, 8, (4, 8, 2)).astype(np.int32)
+    w_in, w_out = rng.normal(size=(8, 16, 4)), rng.normal(size=(8, 4, 16))
+    forward = functools.partial(moe.sharded_experts_forward, mesh, TRAIN_ACT)
+    loss = lambda *a: forward(*a).sum()
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 5))).lower(
+        x, experts, np.ones((4, 8, 2), np.float32), w_in, w_in, w_out
+    )
+    assert lowered.as_text().count("ragged_all_to_all") == 4  # out and back, forward and backward
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,8 +135,9 @@ def _ragged_all_to_all(mesh: Mesh) -> Callable:
     return jax.lax.ragged_all_to_all
 
 
-def _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, *, axes, size, all_to_all):
-    """`swiglu_experts` of this device's sorted assignments, run where their experts live.
+def _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, *, axes, size, ragged_all_to_all):
+    """`swiglu_experts` of this device's sorted assignments, run on the `size` devices of mesh
+    axes `axes` that hold their experts (L = X / size each, in order).
 
     Slices are per expert: this device's slice i (its run of expert i) goes to device i // L and
     lands in the run of local expert i % L, after the slices of the devices before this one.
@@ -148,13 +149,13 @@ def _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, *, axes, size, all_t
     runs_PL = jnp.sum(counts_PX, axis=0).reshape(size, local)  # every expert's total, by device
     land_PX = _exclusive_cumsum(runs_PL, axis=1).reshape(-1) + _exclusive_cumsum(counts_PX, 0)
     mine = lambda m_PX: jax.lax.dynamic_slice_in_dim(m_PX, me * local, local, 1).reshape(-1)
-    x_RD = all_to_all(
+    x_RD = ragged_all_to_all(
         x_AD, jnp.zeros((size * a, x_AD.shape[1]), x_AD.dtype), starts_PX[me], sizes_X,
         land_PX[me], mine(counts_PX), axis_name=axes,
     )  # fmt: skip
-    group_sizes = jnp.sum(counts_PX.reshape(size, size, local)[:, me], axis=0)
+    group_sizes = jnp.sum(mine(counts_PX).reshape(size, local), axis=0)
     y_RD = swiglu_experts(x_RD, group_sizes, w_gate, w_up, w_down)
-    return all_to_all(
+    return ragged_all_to_all(
         y_RD, jnp.zeros_like(x_AD, y_RD.dtype), mine(land_PX), mine(counts_PX),
         mine(starts_PX), sizes_X, axis_name=axes,
     )  # fmt: skip
@@ -164,25 +165,17 @@ def experts_forward(
     x_ND: Float[Array, "n d"],
     experts_NK: Int[Array, "n k"],
     weights_NK: Float[Array, "n k"],
-    w_gate: Float[Array, "l d f"],
-    w_up: Float[Array, "l d f"],
-    w_down: Float[Array, "l f d"],
-    *,
-    exchange: dict | None = None,
+    num_experts: int,
+    run_sorted: Callable[[Array, Array], Array],
 ) -> Float[Array, "n d"]:
-    """The weighted sum of each token's experts. Without `exchange` the weights hold all X
-    experts; with it (inside `shard_map`) they hold this device's L = X / size, and `exchange` is
-    the keyword arguments of `_exchanged_experts` (axes, size, all_to_all)."""
+    """The weighted sum of each token's experts: assignments sorted by expert, run through their
+    experts by `run_sorted(x_AD, sizes_X) -> y_AD` (`swiglu_experts`, here or across devices),
+    and put back in token order."""
     n, k = experts_NK.shape
-    num_experts = w_gate.shape[0] * (exchange["size"] if exchange else 1)
     flat = experts_NK.reshape(-1)
     order_A = jnp.argsort(flat, stable=True)
     sizes_X = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    x_AD = x_ND[order_A // k]
-    if exchange:
-        y_AD = _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, **exchange)
-    else:
-        y_AD = swiglu_experts(x_AD, sizes_X, w_gate, w_up, w_down)
+    y_AD = run_sorted(x_ND[order_A // k], sizes_X)
     unsort_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(n * k, dtype=order_A.dtype))
     y_NKD = y_AD[unsort_A].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(y_NKD.dtype))
@@ -208,17 +201,21 @@ def sharded_experts_forward(
                 f"long) over mesh axes {axes} ({parts} devices), which does not divide it; pad "
                 f"the batch (or sequence) to a multiple of {parts}."
             )
-    exchange = None
-    if size > 1:
-        exchange = dict(axes=expert_axes, size=size, all_to_all=_ragged_all_to_all(mesh))
+    ragged_all_to_all = _ragged_all_to_all(mesh)
 
     def local(x_BTD, experts_BTK, weights_BTK, w_gate, w_up, w_down):
         b, t, d = x_BTD.shape
         flat = lambda a: a.reshape(b * t, -1)
+
+        def run(x_AD, sizes_X):
+            if size == 1:
+                return swiglu_experts(x_AD, sizes_X, w_gate, w_up, w_down)
+            return _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, axes=expert_axes,
+                                      size=size, ragged_all_to_all=ragged_all_to_all)  # fmt: skip
+
         y_ND = experts_forward(
-            flat(x_BTD), flat(experts_BTK), flat(weights_BTK), w_gate, w_up, w_down,
-            exchange=exchange,
-        )  # fmt: skip
+            flat(x_BTD), flat(experts_BTK), flat(weights_BTK), w_gate.shape[0] * size, run
+        )
         if width_axes:
             y_ND = jax.lax.psum(y_ND, width_axes)
         return y_ND.reshape(b, t, d)
@@ -227,7 +224,7 @@ def sharded_experts_forward(
     out_weights = mesh_lib.logical_spec(("expert", "moe_mlp", "embed"))
     return jax.shard_map(
         local, mesh=mesh, in_specs=(rows, rows, rows, in_weights, in_weights, out_weights),
-        out_specs=rows, check_vma=False,
+        out_specs=rows, check_vma=True,
     )(x_BTD, experts_BTK, weights_BTK, w_gate, w_up, w_down)  # fmt: skip
 
 
@@ -270,8 +267,9 @@ class MoE(nnx.Module):
         experts = (w(self.w_gate), w(self.w_up), w(self.w_down))
         if self.mesh is None:
             flat = lambda a: a.reshape(b * t, -1)
+            run = lambda x_AD, sizes_X: swiglu_experts(x_AD, sizes_X, *experts)
             y_BTD = experts_forward(
-                flat(h_BTD), flat(experts_BTK), flat(weights_BTK), *experts
+                flat(h_BTD), flat(experts_BTK), flat(weights_BTK), c.num_experts, run
             ).reshape(b, t, d)
         else:
             y_BTD = sharded_experts_forward(

@@ -170,6 +170,26 @@ def test_expert_parallel_loss_and_grads_match_one_device(model, reference, shape
     )
 
 
+def test_cpu_exchange_follows_ragged_all_to_all_as_documented():
+    """The example of `jax.lax.ragged_all_to_all`'s docstring, through the CPU emulation."""
+    mesh = make_mesh(MeshConfig(data=2), jax.devices()[:2])
+    per_device = lambda *rows: np.asarray(rows, np.int32)  # row r: device r's argument
+    args = (
+        per_device([1, 2, 2], [3, 4, 0]),  # operand
+        per_device([0, 0, 0, 0], [0, 0, 0, 0]),  # output
+        per_device([0, 1], [0, 1]),  # input_offsets
+        per_device([1, 2], [1, 1]),  # send_sizes
+        per_device([0, 0], [1, 2]),  # output_offsets
+        per_device([1, 1], [2, 1]),  # recv_sizes
+    )
+    exchange = lambda *a: moe._ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="data")
+    spec = jax.sharding.PartitionSpec("data")
+    got = jax.shard_map(lambda *a: exchange(*a)[None], mesh=mesh, in_specs=spec, out_specs=spec)(
+        *args
+    )
+    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
 def test_gpu_exchange_traces_with_its_gradient(monkeypatch):
     """XLA:CPU cannot run `jax.lax.ragged_all_to_all`, but it can lower the GPU path: the exchange
     and its transpose type-check inside shard_map (the GPU benchmark checks its values)."""

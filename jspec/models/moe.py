@@ -122,7 +122,8 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
     length (XLA:CPU has no ragged all-to-all)."""
     rows = jnp.arange(operand.shape[0])
     padded = jnp.take(operand, input_offsets[:, None] + rows, axis=0, mode="fill", fill_value=0)
-    padded = jnp.where((rows < send_sizes[:, None])[..., None], padded, 0)
+    sent = (rows < send_sizes[:, None]).reshape(*padded.shape[:2], *[1] * (operand.ndim - 1))
+    padded = jnp.where(sent, padded, 0)
     got = jax.lax.all_to_all(padded, axis_name, 0, 0, tiled=True)
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
     slot = jnp.where(rows < recv_sizes[:, None], where[:, None] + rows, output.shape[0])

@@ -170,6 +170,24 @@ def test_expert_parallel_loss_and_grads_match_one_device(model, reference, shape
     )
 
 
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_expert_group_of_one_device_needs_no_exchange(tensor):
+    """Every mesh axis of size 1 (or tensor alone): the sharded path equals the mesh-less one."""
+    mesh = make_mesh(MeshConfig(data=1, tensor=tensor), jax.devices()[:tensor])
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(2, 4, 16)).astype(np.float32)
+    experts = rng.randint(0, 8, (2, 4, 2)).astype(np.int32)
+    weights = rng.uniform(size=(2, 4, 2)).astype(np.float32)
+    w = [rng.normal(size=s).astype(np.float32) for s in ((8, 16, 4), (8, 16, 4), (8, 4, 16))]
+    run = lambda x_AD, sizes_X: moe.swiglu_experts(x_AD, sizes_X, *w)
+    flat = lambda a: a.reshape(8, -1)
+    want = moe.experts_forward(flat(x), flat(experts), flat(weights), 8, run).reshape(x.shape)
+    got = jax.jit(functools.partial(moe.sharded_experts_forward, mesh, TRAIN_ACT))(
+        x, experts, weights, *w
+    )
+    test_transformer.close(got, want)
+
+
 def test_cpu_exchange_follows_ragged_all_to_all_as_documented():
     """The example of `jax.lax.ragged_all_to_all`'s docstring, through the CPU emulation."""
     mesh = make_mesh(MeshConfig(data=2), jax.devices()[:2])

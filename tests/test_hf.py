@@ -45,11 +45,13 @@ VARIANTS = {
 }
 
 
-def hf_model(name, seed=0):
-    """A tiny random model built by transformers, with weights large enough that attention is far
-    from uniform (mean max attention probability ~0.7-0.9 here)."""
+def hf_model(name_or_config, seed=0):
+    """A tiny random model built by transformers (of a VARIANTS name or a transformers config),
+    with weights large enough that attention is far from uniform (mean max attention probability
+    ~0.7-0.9 here)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(VARIANTS[name]()).eval()
+    config = VARIANTS[name_or_config]() if isinstance(name_or_config, str) else name_or_config
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "q_norm" in key or "k_norm" in key:

@@ -141,7 +141,9 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int = 0) -> Eagle3Config:
         """The usual draft of a target: its width, heads, MLP and RoPE, one layer, no q/k norm."""
-        layer = dataclasses.replace(target, num_layers=1, qk_norm=False, tap_layers=None)
+        layer = dataclasses.replace(
+            target, num_layers=1, qk_norm=False, tap_layers=None, num_experts=0, mlp_only_layers=()
+        )
         return cls(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size)
 
     def validate(self) -> None:

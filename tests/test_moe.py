@@ -97,7 +97,7 @@ def batch(seed=0):
 @pytest.mark.parametrize("name", list(HF_VARIANTS))
 def test_logits_and_load_balancing_loss_match_transformers(checkpoints, name):
     hf_m, path = checkpoints[name]
-    model = hf.load(path, tap_layers=test_hf.TAPS)
+    model = hf.load(path)
     sparse = tuple(
         type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf_m.model.layers
     )
@@ -117,10 +117,10 @@ def test_logits_and_load_balancing_loss_match_transformers(checkpoints, name):
 
 def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path):
     hf_m, path = checkpoints["top3_of_6_layer0_dense"]
-    model = hf.load(path, tap_layers=test_hf.TAPS)
+    model = hf.load(path)
     hf.save(tmp_path, model, max_shard_bytes=200_000)
     assert (tmp_path / hf.INDEX).is_file()
-    again = hf.load(tmp_path, tap_layers=test_hf.TAPS)
+    again = hf.load(tmp_path)
     assert again.config == model.config
     jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(model))
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -132,12 +132,12 @@ def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path):
 def test_load_places_experts_sharded(checkpoints):
     _, path = checkpoints["top2_of_8_normalised"]
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
-    model = hf.load(path, mesh=mesh, tap_layers=test_hf.TAPS)
+    model = hf.load(path, mesh=mesh)
     w_gate = model.moe_layers.moe.w_gate[...]
     names = ("layers", "expert", "embed", "moe_mlp")
     assert w_gate.sharding.is_equivalent_to(sharding(mesh, names), 4)
     assert w_gate.addressable_shards[0].data.shape == (3, 2, 64, 16)  # 8/4 experts, 32/2 wide
-    plain = hf.load(path, tap_layers=test_hf.TAPS)
+    plain = hf.load(path)
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model), nnx.state(plain))
 
 

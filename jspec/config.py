@@ -139,8 +139,12 @@ class ModelConfig:
                 f"{where}.rope_scaling.high_freq_factor={s.high_freq_factor} must exceed "
                 f"low_freq_factor={s.low_freq_factor} (Llama 3 uses 4.0 and 1.0)."
             )
-        if self.tap_layers is not None:
-            self.check_taps(where)
+        taps = self.tap_layers or ()
+        if any(not 0 <= t < self.num_layers for t in taps) or len(set(taps)) != len(taps):
+            raise ConfigError(
+                f"{where}.tap_layers={self.tap_layers} must be distinct layer indices in "
+                f"[0, {self.num_layers})."
+            )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in ("float32", "bfloat16", "float16"):

@@ -18,6 +18,7 @@ Weights are random: speed only, not acceptance. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import time
@@ -29,9 +30,9 @@ from flax import nnx
 
 from jspec import config as config_lib
 from jspec.config import RolloutConfig, TreeConfig
-from jspec.models import create
+from jspec.models import create, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
-from jspec.sampler import generate
+from jspec.sampler import decoding, generate
 
 
 def parse_args(argv=None):
@@ -42,8 +43,14 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--tree-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--tree-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--no-spec", action="store_true", help="skip the speculative steps")
     p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary")
+    p.add_argument(
+        "--compare-blocks",
+        action="store_true",
+        help="also time the plain step with the block kernels in place of impl='decode'",
+    )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
     p.add_argument("--out", default="bench_rollout.json")
@@ -56,6 +63,19 @@ TREES = {
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
     "dynamic 8 (SGLang)": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
 }
+
+
+@contextlib.contextmanager
+def few_queries(n: int):
+    """Rollout attention takes `impl="decode"` up to n queries per row (0: the block kernels);
+    `generate`'s compiled programs are dropped on the way in and out, as they baked in the rule."""
+    saved, transformer.FEW_QUERIES = transformer.FEW_QUERIES, n
+    decoding._generate.clear_cache()
+    try:
+        yield
+    finally:
+        transformer.FEW_QUERIES = saved
+        decoding._generate.clear_cache()
 
 
 def best_time(fn, iters: int) -> float:
@@ -112,6 +132,10 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
         model, d, tree, prompts, lengths, args.new_tokens, args.iters
     )
     step = time_step(None, TreeConfig())
+    blocks_step = None
+    if args.compare_blocks:
+        with few_queries(0):
+            blocks_step = time_step(None, TreeConfig())
     kv_bytes = (
         2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
         * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
@@ -121,12 +145,15 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
     return dict(
         batch=batch,
         decode_ms=1e3 * step,
+        decode_ms_block_kernels=None if blocks_step is None else 1e3 * blocks_step,
         tokens_per_s=batch / step,
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / curve[min(curve)] for n, s in curve.items()},
-        spec_step_in_decode_steps={k: time_step(draft, t) / step for k, t in TREES.items()},
+        spec_step_in_decode_steps={
+            k: time_step(draft, t) / step for k, t in ({} if args.no_spec else TREES).items()
+        },
     )
 
 
@@ -148,9 +175,11 @@ def main(argv=None):
 
 def print_row(r) -> None:
     curve = ", ".join(f"{n}: {x:.2f}" for n, x in r["verify_in_decode_steps"].items())
+    blocks = r["decode_ms_block_kernels"]
+    blocks = "" if blocks is None else f" (block kernels {blocks:.2f})"
     parts = [
         f"batch {r['batch']:4d}",
-        f"decode {r['decode_ms']:8.2f} ms",
+        f"decode {r['decode_ms']:8.2f} ms" + blocks,
         f"{r['tokens_per_s']:10,.0f} tok/s",
         f"floor {r['floor_ms']:.2f} ms ({100 * r['of_floor']:.0f}%)",
         f"verify/decode {curve}",

@@ -38,6 +38,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    # mixture of experts: experts live where tokens are distinct (jspec.models.moe says why)
+    "expert": ("data", "context"),
+    "moe_mlp": "tensor",
 }
 
 

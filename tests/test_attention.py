@@ -4,11 +4,13 @@ Error is max |x - ref| / max |ref| over outputs and every gradient, in float32, 
 """
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jspec.attention import (
@@ -16,6 +18,7 @@ from jspec.attention import (
     attention,
     blocks,
     context_parallel_attention,
+    decode,
     reference_attention,
     ring_attention,
     zigzag,
@@ -170,6 +173,105 @@ def test_random_trees_with_trunk(cp):
     assert jnp.all(jnp.where((anchor < 0)[..., None, None], out, 0.0) == 0.0)
 
 
+# ---------------------------------------------------------------------------------------------
+# Call styles, as a user makes them: eager or under jit, Explicit or Auto mesh axes, and the three
+# ways to differentiate.
+
+EXPLICIT = jax.sharding.AxisType.Explicit
+
+
+def loss_of(out):
+    return sum(jnp.sum(jnp.sin(3.0 * o) * o) for o in jax.tree.leaves(out))
+
+
+def differentiate(how, fn, args):
+    """fn(*args) and the gradients of `loss_of` it w.r.t. every arg, by jax.`how`."""
+    argnums = tuple(range(len(args)))
+    if how == "value_and_grad":
+        (_, out), grads = jax.value_and_grad(
+            lambda *a: (loss_of(fn(*a)), fn(*a)), argnums, has_aux=True
+        )(*args)
+    elif how == "grad":
+        out, grads = fn(*args), jax.grad(lambda *a: loss_of(fn(*a)), argnums)(*args)
+    else:
+        out, pullback = jax.vjp(fn, *args)
+        grads = pullback(jax.grad(loss_of)(out))
+    return out, grads
+
+
+HOWS = ("value_and_grad", "grad", "vjp")
+
+
+def trunk_and_tree_inputs(rng, b, t, n):
+    """(q, k, v) of t trunk tokens and (q, k, v) of n branch nodes: every float input."""
+    return tuple(normal(rng, b, length, heads, D) for length in (t, n) for heads in (HQ, HKV, HKV))
+
+
+def with_tree(attend, seg, pos, anchor, parent, **kw):
+    """`attend` over packed rows and a tree, as a function of `trunk_and_tree_inputs`."""
+
+    def fn(q, k, v, bq, bk, bv):
+        return attend(q, k, v, seg, pos, branch=Branch(bq, bk, bv, anchor, parent), **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_context_parallel_call_styles(axis_type):
+    """Plain arrays in, a mesh of either axis type: eager and jit, every way to differentiate."""
+    rng = np.random.default_rng(5)
+    b, t, n = 2, 16, 6
+    seg, pos = packed_rows(rng, b, t, 4)
+    anchor, parent = random_tree(rng, b, n, seg)
+    mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices()[:4])  # fmt: skip
+    args = trunk_and_tree_inputs(rng, b, t, n)
+    ref = with_tree(reference_attention, seg, pos, anchor, parent)
+    want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
+    fn = with_tree(context_parallel_attention, seg, pos, anchor, parent, mesh=mesh, **BLOCKS)
+    for how in HOWS:
+        assert_close(differentiate(how, fn, args), want)
+    for how in ("value_and_grad", "vjp"):  # grad compiles as value_and_grad does
+        assert_close(jax.jit(functools.partial(differentiate, how, fn))(args), want)
+    # Inputs already on the mesh, rows split over "data": on an Explicit mesh the outputs keep it.
+    rows = NamedSharding(mesh, P("data"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(functools.partial(differentiate, "value_and_grad", fn))(
+            jax.device_put(args, rows)
+        )
+    if axis_type == EXPLICIT:
+        assert all(o.sharding.is_equivalent_to(rows, o.ndim) for o in got[0])
+    assert_close(jax.device_get(got), want)
+
+
+@pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_ring_attention_in_a_users_shard_map(axis_type):
+    """ring_attention in shard_map as a user writes it (check_vma on), the zigzag rows placed on
+    the mesh: eager and under jit, differentiated."""
+    rng = np.random.default_rng(6)
+    b, t, cp = 2, 16, 2
+    seg, pos = packed_rows(rng, b, t, 2 * cp)
+    args = trunk_and_tree_inputs(rng, b, t, 0)[:3]
+    mesh = jax.make_mesh((cp,), ("context",), axis_types=(axis_type,), devices=jax.devices()[:cp])
+    rows = P(None, "context")
+    ring = jax.shard_map(
+        functools.partial(ring_attention, axis_name="context", **BLOCKS),
+        mesh=mesh, in_specs=rows, out_specs=rows,
+    )  # fmt: skip
+
+    def fn(q, k, v):
+        placed = (jax.device_put(zigzag_shard(x, seg, cp), NamedSharding(mesh, rows))
+                  for x in (q, k, v, seg, pos))  # fmt: skip
+        return zigzag_unshard(ring(*placed), seg, cp)
+
+    want = differentiate("grad", lambda q, k, v: reference_attention(q, k, v, seg, pos), args)
+    with jax.set_mesh(mesh):  # jax differentiates arrays on an Explicit mesh eagerly only in it
+        eager = differentiate("value_and_grad", fn, args)
+        jitted = jax.jit(functools.partial(differentiate, "vjp", fn))(args)
+    assert_close(jax.device_get(eager), want)
+    assert_close(jax.device_get(jitted), want)
+
+
 def test_decode_queries_single_device():
     """Decode: one query per row against a cache holding a few documents and empty slots."""
     rng = np.random.default_rng(7)
@@ -184,6 +286,30 @@ def test_decode_queries_single_device():
     impl = functools.partial(attention, segment_ids=seg, positions=pos, **kw, **BLOCKS)
     assert_close(
         value_and_grads(impl, q, k, v, None, None), value_and_grads(ref, q, k, v, None, None)
+    )
+
+
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_decode_impl_matches_reference(monkeypatch, chunk):
+    """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
+    values and gradients; a small chunk exercises the online softmax across cache chunks."""
+    monkeypatch.setattr(decode, "CHUNK", chunk)
+    rng = np.random.default_rng(11)
+    b, s, n = 3, 80, 7
+    seg, pos = packed_rows(rng, b, s, 4)
+    k, v = normal(rng, b, s, HKV, D), normal(rng, b, s, HKV, D)
+    q = normal(rng, b, 2, HQ, D)
+    q_seg = jnp.concatenate([seg[:, :1], jnp.zeros((b, 1), jnp.int32)], axis=1)  # 2nd: padding
+    q_pos = jnp.max(jnp.where(seg == seg[:, :1], pos, 0), axis=1, keepdims=True) + 1
+    kw = dict(q_segment_ids=q_seg, q_positions=jnp.concatenate([q_pos, q_pos], axis=1))
+    anchor, parent = random_tree(rng, b, n, seg)
+    make_branch = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)
+    branch_qkv = tuple(normal(rng, b, n, h, D) for h in (HQ, HKV, HKV))
+    ref = functools.partial(reference_attention, segment_ids=seg, positions=pos, **kw)
+    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, impl="decode")
+    assert_close(
+        value_and_grads(got, q, k, v, branch_qkv, make_branch),
+        value_and_grads(ref, q, k, v, branch_qkv, make_branch),
     )
 
 
@@ -250,38 +376,92 @@ def test_misaligned_document_is_named():
         context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
 
 
-def test_misaligned_document_under_jit_gives_nan_not_a_wrong_answer():
-    seg = jnp.asarray([[1] * 8 + [2] * 6 + [0] * 2])
-    pos = jnp.asarray([list(range(8)) + list(range(6)) + [0, 0]])
-    k = jnp.ones((1, 16, HKV, D))
-    run = jax.jit(
-        lambda k, seg, pos: context_parallel_attention(k, k, k, seg, pos, mesh=context_mesh(2))
-    )
-    assert jnp.all(jnp.isnan(run(k, seg, pos)))
+def test_misaligned_row_under_jit_is_nan_and_leaves_other_rows_exact():
+    """Under jit the ids are abstract: the row holding a misaligned document is NaN (gradients
+    zero); the rows beside it keep exact outputs and gradients, tree included."""
+    rng = np.random.default_rng(9)
+    b, t, n = 3, 16, 5
+    seg, pos = packed_rows(rng, b, t, 4)
+    seg = seg.at[1].set(jnp.asarray([1] * 6 + [2] * 10))  # 6 is not a multiple of 2 * cp = 4
+    pos = pos.at[1].set(jnp.asarray(list(range(6)) + list(range(10))))
+    anchor, parent = random_tree(rng, b, n, seg)
+    args = trunk_and_tree_inputs(rng, b, t, n)
+    ref = with_tree(reference_attention, seg, pos, anchor, parent)
+    want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
+    run = jax.jit(lambda seg, pos, args: differentiate("value_and_grad", with_tree(
+        context_parallel_attention, seg, pos, anchor, parent, mesh=context_mesh(2)
+    ), args))  # fmt: skip
+    got = run(seg, pos, args)
+    good = jnp.asarray([0, 2])
+    assert_close(jax.tree.map(lambda x: x[good], got), jax.tree.map(lambda x: x[good], want))
+    assert all(jnp.all(jnp.isnan(x[1])) for x in got[0])
+    assert all(jnp.all(g[1] == 0) for g in got[1])
     with pytest.raises(ValueError, match=r"sequence length 18 is not a multiple of 2 \* cp = 4"):
-        run(jnp.ones((1, 18, HKV, D)), jnp.ones((1, 18), jnp.int32), jnp.zeros((1, 18), jnp.int32))
+        run(jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32),
+            trunk_and_tree_inputs(rng, b, 18, n))  # fmt: skip
 
 
-def test_bad_shapes_and_impl_are_named():
+def mistake(kind):
+    """A call with one mistake of `kind`, on one row of 16 tokens and a tree of 3 nodes."""
+    q, k = jnp.zeros((1, 16, HQ, D)), jnp.zeros((1, 16, HKV, D))
+    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    tree = dict(q=q[:, :3], k=k[:, :3], v=k[:, :3], anchor=jnp.full((1, 3), 15))
+    tree["parent"] = jnp.asarray([[-1, 0, 1]])
+    bad = {
+        "bool_segment_ids": dict(segment_ids=seg > 0),
+        "parent_out_of_range": dict(branch=Branch(**tree | dict(parent=jnp.asarray([[-1, 0, 7]])))),
+        "parent_cycle": dict(branch=Branch(**tree | dict(parent=jnp.asarray([[-1, 2, 1]])))),
+        "anchor_out_of_range": dict(branch=Branch(**tree | dict(anchor=jnp.full((1, 3), 16)))),
+        "tuple_branch": dict(branch=tuple(tree.values())),
+        "heads_not_a_multiple": dict(q=jnp.zeros((1, 16, 3, D))),
+        "heads_first_layout": dict(q=jnp.swapaxes(q, 1, 2)),
+        "no_query_nodes": dict(branch=Branch(**tree | dict(q=q[:, :2]))),
+        "impl": dict(impl="cudnn"),
+        "segment_ids_shape": dict(segment_ids=seg[:, :8]),
+    }[kind]
+    return dict(q=q, k=k, v=k, segment_ids=seg, positions=pos) | bad
+
+
+MISTAKES = {
+    "bool_segment_ids": r"segment_ids must be integers \(int32\); got bool",
+    "parent_out_of_range": r"branch.parent\[0, 2\] = 7: a parent is the index of an earlier node",
+    "parent_cycle": r"branch.parent\[0, 1\] = 2: a parent is the index of an earlier node",
+    "anchor_out_of_range": r"branch.anchor\[0, 0\] = 16: an anchor is the index of a trunk key",
+    "tuple_branch": r"branch must be a jspec.attention.Branch; got tuple",
+    "heads_not_a_multiple": r"Hq a multiple of Hkv=2 \(the heads of k\); got \(1, 16, 3, 8\)",
+    "heads_first_layout": r"q \(1, 4, 16, 8\) looks like \[B,H,T,D\].*jnp.swapaxes\(q, 1, 2\)",
+    "no_query_nodes": r"branch.q has 2 queries for 3 nodes: pass branch.query_nodes",
+    "impl": r"impl='cudnn' is not available",
+    "segment_ids_shape": r"k and v must both be \[B,Tk,Hkv,D\] with \[B,Tk\]=\(1, 8\) from segm",
+}
+
+
+@pytest.mark.parametrize("kind", MISTAKES)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mistakes_are_named_in_the_callers_terms(kind, cp):
+    """The same message from `attention` and `context_parallel_attention` (global shapes),
+    before anything is compiled."""
+    call = (
+        attention
+        if cp == 1
+        else functools.partial(context_parallel_attention, mesh=context_mesh(cp))
+    )
+    with pytest.raises((ValueError, TypeError), match=MISTAKES[kind]):
+        call(**mistake(kind))
+
+
+def test_mesh_none_is_named():
     k = jnp.zeros((1, 16, HKV, D))
-    seg = jnp.ones((1, 16), jnp.int32)
-    pos = jnp.arange(16)[None]
-    with pytest.raises(ValueError, match="Hq a multiple of Hkv=2"):
-        attention(jnp.zeros((1, 16, 3, D)), k, k, seg, pos)
-    with pytest.raises(ValueError, match="impl='cudnn' is not available"):
-        attention(jnp.zeros((1, 16, 4, D)), k, k, seg, pos, impl="cudnn")
-    with pytest.raises(ValueError, match="segment_ids must be"):
-        attention(jnp.zeros((1, 16, 4, D)), k, k, seg[:, :8], pos)
-    with pytest.raises(ValueError, match="pass branch.query_nodes"):
-        z = jnp.zeros((1, 3), jnp.int32)
-        attention(
-            None,
-            k,
-            k,
-            seg,
-            pos,
-            branch=Branch(jnp.zeros((1, 2, 4, D)), k[:, :3], k[:, :3], z, z - 1),
-        )
+    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got NoneType"):
+        context_parallel_attention(k, k, k, seg, pos, mesh=None)
+
+
+def test_readme_example_runs():
+    """The README's "Using jspec.attention" example runs as written (8 devices: conftest)."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("## Using jspec.attention")[1].split("```python\n")[1].split("```")[0]
+    exec(compile(code, "README.md", "exec"), {})
 
 
 # ---------------------------------------------------------------------------------------------

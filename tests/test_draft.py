@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from jspec.config import ConfigError, ModelConfig
 from jspec.models import create, hf
 from jspec.models import hf_eagle3 as eagle_io
-from jspec.models.draft import check_target
+from jspec.models.draft import Eagle3Config, check_target, create_eagle3, frequent_tokens
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
 
@@ -125,3 +125,14 @@ def test_checkpoint_mistakes_are_named(tmp_path):
     hf.save(tmp_path / "target", target_model)
     with pytest.raises(ValueError, match="no draft_vocab_size"):
         eagle_io.load(tmp_path / "target")
+
+
+def test_draft_vocabulary_of_the_most_frequent_tokens():
+    counts = np.array([5, 0, 9, 9, 1, 7])
+    np.testing.assert_array_equal(frequent_tokens(counts, 3), [2, 3, 5])
+    target = ModelConfig(vocab_size=6, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=1)
+    draft = create_eagle3(
+        Eagle3Config.for_target(target, draft_vocab_size=3), target_ids=frequent_tokens(counts, 3)
+    )
+    logits = draft.to_target_vocab(jnp.array([[1.0, 2.0, 3.0]]))
+    np.testing.assert_array_equal(logits[0], [-np.inf, -np.inf, 1.0, 2.0, -np.inf, 3.0])

@@ -11,13 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import chi_square_p_value, distill_eagle3, noisy_copy
 
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.decoding as decoding
-from jspec.config import ConfigError, ModelConfig, RolloutConfig, TreeConfig
-from jspec.models import create
-from jspec.models.draft import Eagle3Config, ExternalDraft, create_eagle3
+from jspec.config import ConfigError, MeshConfig, ModelConfig, RolloutConfig, TreeConfig
+from jspec.mesh import make_mesh
+from jspec.models import Transformer, create
+from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft, create_eagle3
 from jspec.sampler import generate, sampling_probs
 
 CONFIG = ModelConfig(
@@ -63,9 +65,13 @@ def most_staggered_eos(tokens):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def target():
+    return create(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def setup(target):
     """A target, two partly agreeing drafts, 8 test prompts, an EOS id, and plain greedy output."""
-    target = create(CONFIG, seed=0)
     prompts, lengths = random_prompts(8, 5, seed=1)
     # The EAGLE-3 draft learns the target's greedy continuations of these prompts and 120 others.
     more, more_lengths = random_prompts(120, 5, seed=2)
@@ -101,6 +107,17 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
     assert not np.asarray(got.stats.failed).any()
     if tree != "chain":
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
+
+
+def test_rollout_on_the_training_mesh_matches_one_device(setup):
+    """Rows over data x context (extra data parallelism in rollout), heads over tensor."""
+    s = setup
+    target = create(CONFIG, mesh=make_mesh(MeshConfig(data=2, context=2, tensor=2)))
+    draft = ExternalDraft(noisy_copy(target, 0.1))
+    config = greedy(eos_id=s["eos"], tree=TREES["static"])
+    got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    assert got.tokens.sharding.num_devices == 8
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +236,13 @@ def test_identical_draft_accepts_everything_and_generate_compiles_once(setup):
 # Bad input.
 
 
-def draft_with(**changes):
-    return create_eagle3(dataclasses.replace(Eagle3Config.for_target(CONFIG), **changes))
+RNGS = nnx.Rngs(0)
+
+
+def eagle3_for(target, **changes):
+    """A random EAGLE-3 draft for `target`, built eagerly (no compilation)."""
+    config = dataclasses.replace(Eagle3Config.for_target(target), **changes)
+    return Eagle3Draft(config, rngs=RNGS)
 
 
 BAD = {
@@ -236,35 +258,35 @@ BAD = {
     "EOS outside the vocabulary": (dict(eos_id=64), None, r"eos_id=64 is not a token"),
     "draft of another width": (
         {},
-        lambda: create_eagle3(Eagle3Config.for_target(dataclasses.replace(CONFIG, hidden_size=48))),
+        lambda: eagle3_for(dataclasses.replace(CONFIG, hidden_size=48)),
         r"hidden_size=48 differs from the target's 32",
     ),
-    "draft fusing two taps": ({}, lambda: draft_with(num_taps=2), r"fuses 2 taps"),
+    "draft fusing two taps": ({}, lambda: eagle3_for(CONFIG, num_taps=2), r"fuses 2 taps"),
     "draft vocabulary map of another target": (
         {},
-        lambda: create_eagle3(Eagle3Config.for_target(dataclasses.replace(CONFIG, vocab_size=80))),
+        lambda: eagle3_for(dataclasses.replace(CONFIG, vocab_size=80)),
         r"maps its vocabulary into 80 target tokens",
     ),
     "external draft with another tokenizer": (
         {},
-        lambda: ExternalDraft(create(dataclasses.replace(CONFIG, vocab_size=32))),
+        lambda: ExternalDraft(Transformer(dataclasses.replace(CONFIG, vocab_size=32), rngs=RNGS)),
         r"vocab_size=32 differs",
     ),
 }
 
 
 @pytest.mark.parametrize("name", BAD)
-def test_bad_input_is_named(setup, name):
+def test_bad_input_is_named(target, name):
     changes, make_draft, message = BAD[name]
     prompts, lengths = random_prompts(2, 5, seed=0)
     with pytest.raises((ConfigError, ValueError), match=message):
-        config = RolloutConfig(max_new_tokens=4, **changes)
+        config = RolloutConfig(**{"max_new_tokens": 4, **changes})
         draft = make_draft and make_draft()
-        generate(setup["target"], draft, prompts, lengths, jax.random.key(0), config)
+        generate(target, draft, prompts, lengths, jax.random.key(0), config)
 
 
 @pytest.mark.parametrize("bad", [0, 6])
-def test_prompt_length_out_of_range_is_named(setup, bad):
+def test_prompt_length_out_of_range_is_named(target, bad):
     prompts, _ = random_prompts(2, 5, seed=0)
     with pytest.raises(ValueError, match=rf"prompt_lengths\[1\]={bad} is outside \[1, 5\]"):
-        generate(setup["target"], None, prompts, jnp.array([3, bad]), jax.random.key(0), greedy())
+        generate(target, None, prompts, jnp.array([3, bad]), jax.random.key(0), greedy())

@@ -45,11 +45,13 @@ VARIANTS = {
 }
 
 
-def hf_model(name, seed=0):
-    """A tiny random model built by transformers, with weights large enough that attention is far
-    from uniform (mean max attention probability ~0.7-0.9 here)."""
+def hf_model(name_or_config, seed=0):
+    """A tiny random model built by transformers (of a VARIANTS name or a transformers config),
+    with weights large enough that attention is far from uniform (mean max attention probability
+    ~0.7-0.9 here)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(VARIANTS[name]()).eval()
+    config = VARIANTS[name_or_config]() if isinstance(name_or_config, str) else name_or_config
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "q_norm" in key or "k_norm" in key:
@@ -144,6 +146,14 @@ def test_dtype_follows_the_checkpoint_unless_asked(tmp_path):
     as_f32 = hf.load(tmp_path, dtype="float32")
     assert as_f32.layers.w_up[...].dtype == jnp.float32
     np.testing.assert_array_equal(as_f32.embed[...], model.embed[...].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_checkpoints_of_any_layer_count_load(tmp_path, layers):
+    """Only a model with an EAGLE-3 draft attached needs three distinct tap layers."""
+    config = transformers.Qwen3Config(**{**SIZES, "num_hidden_layers": layers})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert hf.load(tmp_path).config.num_layers == layers
 
 
 def test_config_from_legacy_hf_dict():

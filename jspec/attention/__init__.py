@@ -1,7 +1,8 @@
 """Packed, load-balanced zigzag ring attention with fused branch (tree) attention.
 
 Depends on jax (and jaxtyping) alone, so it can be lifted out as a library. The contract (names,
-shapes, visibility rules, index spaces) is in DESIGN.md; `reference_attention` states it densely.
+shapes, visibility rules, index spaces) is in docs/attention.md; `reference_attention` states it
+densely.
 """
 
 from jspec.attention.branch import Branch

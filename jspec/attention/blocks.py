@@ -120,7 +120,7 @@ def fwd(
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     if acc is None:
-        acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+        acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32))
     kr = tile_ranges(k_seg, k_pos, block_k)
     k_xs = (_tiles(k, block_k), _tiles(v, block_k), _tiles(k_seg, block_k), _tiles(k_pos, block_k))
 
@@ -192,7 +192,6 @@ def bwd(
     added to the `dq` given (None: zeros)."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
-    g = hq // hkv
 
     def heads_first(x):  # [B, bq, Hkv, G] -> [B, Hkv, G, bq]
         return jnp.moveaxis(x, 1, 3)
@@ -236,11 +235,11 @@ def bwd(
                 return (dk_j, dv_j), dq_i
 
             def skip(carry):
-                return carry, jnp.zeros((b, block_q, hkv, g, d), jnp.float32)
+                return carry, jnp.zeros_like(q_i, jnp.float32)
 
             return jax.lax.cond(may_see(qr_i, kr_j), grads, skip, carry)
 
-        zeros = jnp.zeros((b, block_k, hkv, d), jnp.float32)
+        zeros = jnp.zeros_like(k_j, jnp.float32)
         (dk_j, dv_j), dq_tiles = jax.lax.scan(step, (zeros, zeros), q_xs)
         return dq_acc + dq_tiles, (dk_j, dv_j)
 
@@ -252,7 +251,7 @@ def bwd(
         _tiles(k_pos, block_k),
         kr,
     )
-    dq0 = jnp.zeros(q.shape, jnp.float32) if dq is None else dq
+    dq0 = jnp.zeros_like(q, jnp.float32) if dq is None else dq
     dq0 = _tiles(_grouped(dq0, hkv), block_q)
     dq, (dk, dv) = jax.lax.scan(one_k_tile, dq0, k_xs)
     return _untiles(dq).reshape(b, tq, hq, d), _untiles(dk), _untiles(dv)
@@ -318,11 +317,10 @@ def branch_fwd(
         pv = p[..., None] * gather_rows(v, cur)[:, :, :, None].astype(jnp.float32)
         return m_new, l * corr + p, acc * corr[..., None] + pv
 
-    shape = (b, nq, hkv, hq // hkv)
     init = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros(shape + (d,), jnp.float32),
+        jnp.full_like(qg[..., 0], -jnp.inf, jnp.float32),
+        jnp.zeros_like(qg[..., 0], jnp.float32),
+        jnp.zeros_like(qg, jnp.float32),
     )
     m, l, acc = _walk(nodes, parent, body, init)
     o, lse = _finish(m, l, acc)
@@ -356,9 +354,9 @@ def branch_bwd(q, k, v, nodes, parent, lse, dout, delta, *, scale: float):
         return dq, dk, dv
 
     init = (
-        jnp.zeros(qg.shape, jnp.float32),
-        jnp.zeros(k.shape, jnp.float32),
-        jnp.zeros(v.shape, jnp.float32),
+        jnp.zeros_like(qg),
+        jnp.zeros_like(k, jnp.float32),
+        jnp.zeros_like(v, jnp.float32),
     )
     dq, dk, dv = _walk(nodes, parent, body, init)
     return dq.reshape(b, nq, hq, d), dk, dv

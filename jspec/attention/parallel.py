@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import zigzag
+from jspec.attention import checks, explicit, zigzag
 from jspec.attention.branch import Branch
-from jspec.attention.ring import ring_attention
+from jspec.attention.ring import IMPLS, ring_attention
 
 
 def _slots(rank, cp: int, capacity: int):
@@ -109,18 +109,32 @@ def context_parallel_attention(
     """Self-attention (plus branch) of natural-order rows, context-parallel over `mesh[axis]`.
 
     Every index (anchor, parent, query_nodes) is a natural-order index of the row; every document
-    must be padded to a multiple of 2 * cp (a clear error for concrete ids; under `jit` the
-    outputs are NaN instead). Same results as `attention`, wherever inputs live.
+    must be padded to a multiple of 2 * cp: a clear error for concrete ids; under `jit` the
+    outputs of a row holding a misaligned document are NaN, and the other rows are exact. Same
+    results as `attention`, wherever inputs live.
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh with an axis {axis!r} to spread the rows over; got "
+            f"{type(mesh).__name__}. For example jax.make_mesh((cp,), ({axis!r},)); on one "
+            "device call jspec.attention.attention instead."
+        )
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}.")
     cp = mesh.shape[axis]
+    checks.check_inputs(q, k, v, segment_ids, positions, None, None, branch, impl, IMPLS)
     zigzag.check_alignment(segment_ids, cp)
-    placed = query_slot = None
-    if branch is not None:
-        placed, query_slot = place_branch(branch, segment_ids, cp)
+    mesh = explicit.auto_mesh(mesh)
     ring = sharded_ring(mesh, axis, scale, impl, block_q, block_k)
-    out, branch_out = _run(ring, mesh, axis, q, k, v, segment_ids, positions, placed, query_slot)
+
+    def run(q, k, v, segment_ids, positions, branch):
+        placed = query_slot = None
+        if branch is not None:
+            placed, query_slot = place_branch(branch, segment_ids, cp)
+        return _run(ring, mesh, axis, q, k, v, segment_ids, positions, placed, query_slot)
+
+    args = (q, k, v, segment_ids, positions, branch)
+    out, branch_out = explicit.run_auto(run, args, like=(q, None if branch is None else branch.q))
     return out if branch is None else (out, branch_out)
 
 
@@ -167,27 +181,20 @@ def sharded_ring(
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _run(ring, mesh, axis, q, k, v, seg, pos, branch, query_slot):
+    """Zigzag, ring, undo; `mesh` has Auto axes, so placement is left to the compiler."""
     cp = mesh.shape[axis]
-    explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
-    split, whole = (
-        NamedSharding(mesh, PartitionSpec(None, axis)),
-        NamedSharding(mesh, PartitionSpec()),
-    )
-
-    def put(x, sharding):  # an explicit axis is resharded, an automatic one constrained
-        if explicit:
-            return jax.reshard(x, sharding)
-        return jax.lax.with_sharding_constraint(x, sharding) if sharding is split else x
+    split = NamedSharding(mesh, PartitionSpec(None, axis))
 
     def shard(x):
-        return None if x is None else put(zigzag.zigzag_shard(x, seg, cp), split)
+        if x is None:
+            return None
+        return jax.lax.with_sharding_constraint(zigzag.zigzag_shard(x, seg, cp), split)
 
-    branch = jax.tree.map(lambda x: put(x, split), branch)
+    branch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), branch)
     out, branch_out = ring(shard(q), shard(k), shard(v), shard(seg), shard(pos), branch)
-    poison = lambda x: jnp.where(zigzag.misaligned(seg, cp), jnp.nan, x)  # noqa: E731
     if out is not None:
-        out = poison(zigzag.zigzag_unshard(put(out, whole), seg, cp))
+        out = zigzag.mark_misaligned(zigzag.zigzag_unshard(out, seg, cp), seg, cp)
     if branch_out is not None:
         rows = jnp.arange(branch_out.shape[0])[:, None]
-        branch_out = poison(put(branch_out, whole)[rows, query_slot])
+        branch_out = zigzag.mark_misaligned(branch_out[rows, query_slot], seg, cp)
     return out, branch_out

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, masks, pallas_gpu
+from jspec.attention import blocks, checks, decode, masks, pallas_gpu
 from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
@@ -29,7 +29,8 @@ BLOCK_K = 512
 PALLAS_PAD = 128  # a multiple of every Pallas tile, so the kernel never pads per ring step
 # The block kernel: "xla" (portable), "pallas" (NVIDIA GPU), "pallas_interpret" (the Pallas kernel
 # in Pallas' interpreter on any backend: slow, for tests); "auto" takes "pallas" where it runs.
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+# "decode": few queries per row against a long cache, on one device (`decode.py`: rollouts).
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "decode")
 
 
 class _Static(NamedTuple):
@@ -72,6 +73,15 @@ def _ring_size(axis_name):
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)
 
 
+def _varying(x, axis_name):
+    """x typed as varying over the ring axis (shard_map's check_vma): every value the ring's loops
+    combine then carries one type, and the gradient of a replicated input is summed over the ring.
+    A no-op off a ring, where x already varies, or where check_vma is off."""
+    if x is None or axis_name is None or axis_name in jax.typeof(x).mat.varying:
+        return x
+    return jax.lax.pcast(x, axis_name, to="varying")
+
+
 def _shift(xs, axis_name):
     """Send to the next rank of the ring, receive from the previous one (identity off a ring)."""
     n = _ring_size(axis_name)
@@ -91,8 +101,8 @@ def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, 
     """(o, lse) in float32. One accumulator, filled first by the local branch-to-branch part,
     then by every ring step in place: no partial result is ever held beside it."""
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
-    o = jnp.zeros(q.shape, jnp.float32)
-    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    o = jnp.zeros_like(q, jnp.float32)
+    lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
     if bk is not None:
         rows = slice(*st.branch_rows)
         ob, lseb = blocks.branch_fwd(q[:, rows], bk, bv, b_nodes, b_parent, scale=st.scale)
@@ -130,7 +140,7 @@ def _ring_bwd(st, res, do):
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = jnp.zeros_like(q, jnp.float32)
     dbk = dbv = None
     if bk is not None:
         rows = slice(*st.branch_rows)
@@ -151,7 +161,7 @@ def _ring_bwd(st, res, do):
         dkv = _shift((dkv[0] + dk_s, dkv[1] + dv_s), st.axis_name)
         return (dq, kv_next, dkv), None
 
-    init = (dq, (k, v, k_seg, k_pos), (jnp.zeros(k.shape, jnp.float32),) * 2)
+    init = (dq, (k, v, k_seg, k_pos), (jnp.zeros_like(k, jnp.float32),) * 2)
     (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, length=_ring_size(st.axis_name))
     return (
         dq.astype(q.dtype),
@@ -175,70 +185,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # The public entry points: checks, the query array, padding to whole tiles.
 
 
-def _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl):
-    if q is None and branch is None:
-        raise ValueError("nothing to attend: q is None and there is no branch.")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not available; choose one of {IMPLS}.")
-    if k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"k and v must both be [B,Tk,Hkv,D]; got k {k.shape}, v {v.shape}.")
-    b, tk, hkv, d = k.shape
-    for name, x in (("segment_ids", segment_ids), ("positions", positions)):
-        if x.shape != (b, tk):
-            raise ValueError(f"{name} must be [B,Tk]={(b, tk)} like k; got {x.shape}.")
-    if q is not None and branch is not None and branch.q.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"branch.q has {branch.q.shape[2]} heads but q has {q.shape[2]}; both must be "
-            "[B,*,Hq,D] with the same Hq."
-        )
-    queries = [("q", q)] + ([("branch.q", branch.q)] if branch is not None else [])
-    for name, x in queries:
-        if x is None:
-            continue
-        if x.ndim != 4 or x.shape[0] != b or x.shape[3] != d or x.shape[2] % hkv:
-            raise ValueError(
-                f"{name} must be [B,T,Hq,D] with B={b}, D={d} and Hq a multiple of Hkv={hkv}; "
-                f"got {x.shape}."
-            )
-    if (q_segment_ids is None) != (q_positions is None):
-        raise ValueError("pass q_segment_ids and q_positions together, or neither.")
-    if q is not None:
-        want = q.shape[:2]
-        if q_segment_ids is None and want != (b, tk):
-            raise ValueError(
-                f"q has {q.shape[1]} tokens but k has {tk}: for cross attention pass "
-                "q_segment_ids and q_positions [B,Tq]."
-            )
-        if q_segment_ids is not None and (q_segment_ids.shape != want or q_positions.shape != want):
-            raise ValueError(
-                f"q_segment_ids and q_positions must be [B,Tq]={want}; got "
-                f"{q_segment_ids.shape} and {q_positions.shape}."
-            )
-    if branch is not None:
-        n = branch.k.shape[1]
-        if branch.k.shape[::2] != (b, hkv) or branch.v.shape != branch.k.shape:
-            raise ValueError(
-                f"branch.k and branch.v must be [B,N,Hkv,D] with B={b}, Hkv={hkv}, D={d}; got "
-                f"{branch.k.shape} and {branch.v.shape}."
-            )
-        if branch.k.shape[3] != d:
-            raise ValueError(f"branch.k head dim {branch.k.shape[3]} differs from k's {d}.")
-        for name in ("anchor", "parent"):
-            if getattr(branch, name).shape != (b, n):
-                raise ValueError(
-                    f"branch.{name} must be [B,N]={(b, n)}; got {getattr(branch, name).shape}."
-                )
-        nq = branch.q.shape[1]
-        if branch.query_nodes is None and nq != n:
-            raise ValueError(
-                f"branch.q has {nq} queries for {n} nodes: pass branch.query_nodes [B,Nq]."
-            )
-        if branch.query_nodes is not None and branch.query_nodes.shape != (b, nq):
-            raise ValueError(
-                f"branch.query_nodes must be [B,Nq]={(b, nq)}; got {branch.query_nodes.shape}."
-            )
-
-
 def _attend(
     q,
     k,
@@ -255,7 +201,9 @@ def _attend(
     block_q,
     block_k,
 ):
-    _check(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl)
+    checks.check_inputs(
+        q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl, IMPLS
+    )
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     if q_segment_ids is None:
         q_segment_ids, q_positions = segment_ids, positions
@@ -271,6 +219,19 @@ def _attend(
         parts.append((branch.q.astype(q.dtype) if q is not None else branch.q, seg, pos))
     n_trunk = 0 if q is None else q.shape[1]
     n_rows = sum(p[0].shape[1] for p in parts)
+    bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
+    if impl == "decode":
+        if axis_name is not None:
+            raise ValueError("impl='decode' runs on one device; use impl='auto' in the ring.")
+        q_all, q_seg, q_pos = (jnp.concatenate(xs, axis=1) for xs in zip(*parts, strict=True))
+        nodes = None
+        if branch is not None:
+            trunk_rows = jnp.full((k.shape[0], n_trunk), -1, jnp.int32)
+            nodes = jnp.concatenate([trunk_rows, b_nodes], axis=1)
+        out = decode.decode_attention(
+            q_all, q_seg, q_pos, k, v, segment_ids, positions, nodes, bk, bv, parent, scale=scale
+        ).astype(q_all.dtype)
+        return _split_rows(out, q, branch, n_trunk, n_rows)
 
     kernel = _resolve(impl, k.shape[-1])
     if kernel == "xla":
@@ -286,8 +247,13 @@ def _attend(
     k_all, v_all, k_seg, k_pos = (blocks.pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
     st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
-    bk, bv, parent = (None, None, None) if branch is None else (branch.k, branch.v, branch.parent)
-    out = _ring(st, q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
+    args = (q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
+    out = _ring(st, *(_varying(x, axis_name) for x in args))
+    return _split_rows(out, q, branch, n_trunk, n_rows)
+
+
+def _split_rows(out, q, branch, n_trunk: int, n_rows: int):
+    """The trunk output, or (trunk, branch) outputs, of the concatenated query rows."""
     trunk_out = None if q is None else out[:, :n_trunk]
     if branch is None:
         return trunk_out
@@ -313,7 +279,7 @@ def attention(
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
     branch. `block_q`, `block_k` set the tile (default 512 x 512, clipped to the lengths).
-    Visibility is the contract's (DESIGN.md); `reference.py` is its dense statement.
+    Visibility is the contract's (docs/attention.md); `reference.py` is its dense statement.
     """
     return _attend(
         q,

@@ -15,7 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
+
+from jspec.attention import explicit
 
 
 def _runs(segment_ids: Int[Array, "b t"]):
@@ -36,6 +38,10 @@ def zigzag_destination(segment_ids: Int[Array, "b t"] | None, t: int, cp: int) -
     if segment_ids is None:
         segment_ids = jnp.ones((1, t), jnp.int32)
     start, length = _runs(segment_ids)
+    # A row with a misaligned document (only possible under `jit`: see `mark_misaligned`) is laid
+    # out as one document, so the layout is a permutation still and the mistake stays in its row.
+    whole = _misaligned(length, cp)[:, None]
+    start, length = jnp.where(whole, 0, start), jnp.where(whole, t, length)
     chunk = length // (2 * cp)
     offset = jnp.arange(t, dtype=jnp.int32) - start
     c = offset // jnp.maximum(chunk, 1)
@@ -51,8 +57,13 @@ def _source(dest):
 
 
 def _permute(x, index):
-    index = jnp.broadcast_to(index, (x.shape[0], index.shape[1]))
-    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+    """x[b, index[b, i]] along axis 1; an Explicit-sharded x keeps its sharding."""
+
+    def take(x, index):
+        index = jnp.broadcast_to(index, (x.shape[0], index.shape[1]))
+        return (jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1),)
+
+    return explicit.run_auto(take, (x, index), like=(x,))[0]
 
 
 def zigzag_shard(x: Array, segment_ids: Int[Array, "b t"] | None, cp: int) -> Array:
@@ -73,21 +84,27 @@ def concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def misaligned(segment_ids: Int[Array, "b t"], cp: int) -> Array:
-    """True (a traced bool) if some document's length is not a multiple of 2 * cp.
+def _misaligned(length: Int[Array, "b t"], cp: int) -> Bool[Array, " b"]:
+    return jnp.any(length % (2 * cp) != 0, axis=1)
 
-    For ids known only inside `jit`: callers poison their output with NaN where this holds, so a
-    misaligned batch fails loudly instead of attending over a scrambled layout.
+
+def mark_misaligned(x: Array, segment_ids: Int[Array, "b t"], cp: int) -> Array:
+    """x [B, ...] with NaN in every row that holds a document whose length is not a multiple of
+    2 * cp.
+
+    For ids known only inside `jit`, where `check_alignment` cannot read them: such a row fails
+    loudly instead of attending over a scrambled layout, and the other rows are untouched (their
+    outputs and gradients are exact; the marked row's gradients are zero).
     """
-    _, length = _runs(segment_ids)
-    return jnp.any(length % (2 * cp) != 0)
+    bad = _misaligned(_runs(segment_ids)[1], cp)
+    return jnp.where(bad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.nan, x)
 
 
 def check_alignment(segment_ids, cp: int) -> None:
     """A clear error for a row or document whose length is not a multiple of 2 * cp.
 
     The row length is checked always; the documents when the ids are concrete values (under `jit`
-    they are abstract: see `misaligned`).
+    they are abstract: see `mark_misaligned`).
     """
     t = segment_ids.shape[1]
     if t % (2 * cp):

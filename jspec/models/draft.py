@@ -48,6 +48,7 @@ from jspec.models.transformer import (
     TreeKV,
     _param,
     attention_sublayer,
+    cache_attention,
     create,
     create_sharded,
     last_valid,
@@ -140,7 +141,9 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int = 0) -> Eagle3Config:
         """The usual draft of a target: its width, heads, MLP and RoPE, one layer, no q/k norm."""
-        layer = dataclasses.replace(target, num_layers=1, qk_norm=False, tap_layers=None)
+        layer = dataclasses.replace(
+            target, num_layers=1, qk_norm=False, tap_layers=None, num_experts=0, mlp_only_layers=()
+        )
         return cls(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size)
 
     def validate(self) -> None:
@@ -164,7 +167,16 @@ class Eagle3Draft(nnx.Module):
     num_layers = 1
     uses_taps = True
 
-    def __init__(self, config: Eagle3Config, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+    def __init__(
+        self,
+        config: Eagle3Config,
+        *,
+        rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+        target_ids: np.ndarray | None = None,
+    ):
+        """`target_ids`: the target token of each draft token (`frequent_tokens`); None: the
+        first `draft_vocab_size` ids."""
         config.validate()
         c = config.layer
         d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
@@ -183,8 +195,14 @@ class Eagle3Draft(nnx.Module):
         self.w_down = p((f, d), ("mlp", "embed"), fan_in=f)
         self.final_norm = p((d,), ("norm",), fan_in=None)
         self.lm_head = p((config.draft_vocab_size, d), ("vocab", "embed"), fan_in=d)
-        ids = np.arange(config.draft_vocab_size, dtype=np.int32)  # the first N ids until loaded
-        self.target_ids = VocabMap(jnp.asarray(ids), axes=(None,))
+        if target_ids is None:
+            target_ids = np.arange(config.draft_vocab_size)
+        if np.shape(target_ids) != (config.draft_vocab_size,):
+            raise ConfigError(
+                f"target_ids has shape {np.shape(target_ids)}; the draft vocabulary needs one "
+                f"target id per draft token: ({config.draft_vocab_size},)."
+            )
+        self.target_ids = VocabMap(jnp.asarray(target_ids, jnp.int32), axes=(None,))
 
     # -- the layer -----------------------------------------------------------------------------
 
@@ -263,10 +281,7 @@ class Eagle3Draft(nnx.Module):
     def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
 
-        def attend(q, k, v):
-            branch = tree.branch(0, q, k, v, anchor, parent)
-            kc, vc, seg, pos = cache.k[0], cache.v[0], cache.segment_ids, cache.positions
-            return attention(None, kc, vc, seg, pos, branch=branch)[1]
+        attend = lambda q, k, v: cache_attention(cache, 0, tree.branch(0, q, k, v, anchor, parent))
 
         cos_sin = rope_angles(self.config.layer, positions)
         out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)
@@ -306,9 +321,22 @@ def _tree_anchor_positions(cache: KVCache, depth, shape):
     return anchor, jnp.broadcast_to(root_slot + depth, shape).astype(jnp.int32)
 
 
-def create_eagle3(config: Eagle3Config, *, mesh: Mesh | None = None, seed: int = 0) -> Eagle3Draft:
+def frequent_tokens(token_counts, n: int) -> np.ndarray:
+    """The draft vocabulary of EAGLE-3: the n most frequent target tokens, in id order."""
+    counts = np.asarray(token_counts)
+    return np.sort(np.argsort(-counts, kind="stable")[:n]).astype(np.int32)
+
+
+def create_eagle3(
+    config: Eagle3Config,
+    *,
+    mesh: Mesh | None = None,
+    seed: int = 0,
+    target_ids: np.ndarray | None = None,
+) -> Eagle3Draft:
     """A randomly initialised EAGLE-3 draft, born sharded over `mesh` (as `models.create`)."""
-    return create_sharded(lambda: Eagle3Draft(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+    make = lambda: Eagle3Draft(config, rngs=nnx.Rngs(seed), mesh=mesh, target_ids=target_ids)
+    return create_sharded(make, mesh)
 
 
 # ---------------------------------------------------------------------------------------------

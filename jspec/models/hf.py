@@ -1,13 +1,18 @@
-"""Hugging Face checkpoints (safetensors, Llama 3 / Qwen3 layout): import into jspec, export back.
+"""Hugging Face checkpoints (safetensors; Llama 3, Qwen3, Qwen3-MoE): import into jspec, export.
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Loading reads one tensor at a time with safetensors' numpy
 framework, stacks the layers, and places each parameter straight onto its sharding
-(`jax.make_array_from_callback`: every device receives only its own slice); the host holds one
-parameter at a time, and no device ever holds a full copy of a sharded one.
+(`jax.make_array_from_callback`: every device receives only its own slice, read from the tensors
+of its layers and experts alone); the host holds one device's slice of one parameter at a time
+(the experts of a 235B-A22B layer stack are 150 GB), and no device ever holds a full copy of a
+sharded one.
 
 Layout: Hugging Face linear weights are [out, in]; jspec keeps them [in, out] with heads split out
-(`wq [D,H,E]`, `wo [H,E,D]`), and stacks layers on a leading axis.
+(`wq [D,H,E]`, `wo [H,E,D]`), and stacks layers on a leading axis (dense-MLP and sparse layers in
+their own stacks: `transformer.layer_stacks`). Qwen3-MoE experts are one tensor per expert in the
+checkpoint (`mlp.experts.{e}.gate_proj.weight`, as published and as `transformers` writes them)
+and stacked on the axis after the layers in jspec.
 """
 
 from __future__ import annotations
@@ -29,31 +34,50 @@ from safetensors.numpy import save_file
 
 from jspec import mesh as mesh_lib
 from jspec.config import ModelConfig, RopeScaling
-from jspec.models.transformer import Transformer
+from jspec.models.transformer import Transformer, layer_stacks
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 # jspec parameter path -> (Hugging Face key, number of leading jspec axes that form HF's "in" axis;
-# None: same layout). "{i}" marks a per-layer tensor, stacked on jspec's leading axis.
+# None: same layout). In `_LAYER_KEYS` the path is inside a decoder stack, "{i}" is the layer (the
+# stack's leading axis) and "{e}" the expert (the next axis).
 _KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
     ("embed",): ("model.embed_tokens.weight", None),
     ("final_norm",): ("model.norm.weight", None),
     ("unembed",): ("lm_head.weight", None),
-    ("layers", "attn_norm"): ("model.layers.{i}.input_layernorm.weight", None),
-    ("layers", "wq"): ("model.layers.{i}.self_attn.q_proj.weight", 1),
-    ("layers", "wk"): ("model.layers.{i}.self_attn.k_proj.weight", 1),
-    ("layers", "wv"): ("model.layers.{i}.self_attn.v_proj.weight", 1),
-    ("layers", "wo"): ("model.layers.{i}.self_attn.o_proj.weight", 2),
-    ("layers", "q_norm"): ("model.layers.{i}.self_attn.q_norm.weight", None),
-    ("layers", "k_norm"): ("model.layers.{i}.self_attn.k_norm.weight", None),
-    ("layers", "mlp_norm"): ("model.layers.{i}.post_attention_layernorm.weight", None),
-    ("layers", "w_gate"): ("model.layers.{i}.mlp.gate_proj.weight", 1),
-    ("layers", "w_up"): ("model.layers.{i}.mlp.up_proj.weight", 1),
-    ("layers", "w_down"): ("model.layers.{i}.mlp.down_proj.weight", 1),
 }
+_LAYER_KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
+    ("attn_norm",): ("model.layers.{i}.input_layernorm.weight", None),
+    ("wq",): ("model.layers.{i}.self_attn.q_proj.weight", 1),
+    ("wk",): ("model.layers.{i}.self_attn.k_proj.weight", 1),
+    ("wv",): ("model.layers.{i}.self_attn.v_proj.weight", 1),
+    ("wo",): ("model.layers.{i}.self_attn.o_proj.weight", 2),
+    ("q_norm",): ("model.layers.{i}.self_attn.q_norm.weight", None),
+    ("k_norm",): ("model.layers.{i}.self_attn.k_norm.weight", None),
+    ("mlp_norm",): ("model.layers.{i}.post_attention_layernorm.weight", None),
+    ("w_gate",): ("model.layers.{i}.mlp.gate_proj.weight", 1),
+    ("w_up",): ("model.layers.{i}.mlp.up_proj.weight", 1),
+    ("w_down",): ("model.layers.{i}.mlp.down_proj.weight", 1),
+    ("moe", "router"): ("model.layers.{i}.mlp.gate.weight", 1),
+    ("moe", "w_gate"): ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", 1),
+    ("moe", "w_up"): ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", 1),
+    ("moe", "w_down"): ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", 1),
+}
+# Qwen3-MoE config.json fields that are ModelConfig fields of the same name.
+_MOE_FIELDS = (
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "router_aux_loss_coef",
+)
 
 
 class CheckpointError(ValueError):
@@ -98,6 +122,12 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         raise CheckpointError(
             f"config.json asks for rope_type={rope_type!r}; jspec supports 'default' and 'llama3'."
         )
+    moe = {}
+    if SUPPORTED[arch] == "qwen3_moe":
+        moe = {name: hf[name] for name in _MOE_FIELDS if name in hf}
+        # transformers 5 writes num_experts as num_local_experts
+        moe["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", 128))
+        moe["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
     try:
         heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
         config = ModelConfig(
@@ -111,11 +141,12 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qk_norm=SUPPORTED[arch] == "qwen3",
+            qk_norm=SUPPORTED[arch] in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=hf.get("max_position_embeddings", 4096),
             dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
             param_dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
+            **moe,
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}.") from None
@@ -123,16 +154,21 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict of a ModelConfig (Qwen3 iff qk_norm, else Llama)."""
+    """The Hugging Face `config.json` dict of a ModelConfig (Qwen3-MoE iff it has experts, else
+    Qwen3 iff qk_norm, else Llama)."""
     c = config
-    qwen = c.qk_norm
+    model_type = "qwen3_moe" if c.num_experts else "qwen3" if c.qk_norm else "llama"
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": c.rope_theta}
         rope.update(dataclasses.asdict(c.rope_scaling))
+    moe = {}
+    if c.num_experts:
+        moe = {name: getattr(c, name) for name in ("num_experts", *_MOE_FIELDS)}
+        moe["mlp_only_layers"] = list(c.mlp_only_layers)
     return {
-        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qwen else "llama",
+        "architectures": [{t: a for a, t in SUPPORTED.items()}[model_type]],
+        "model_type": model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -151,6 +187,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": c.rope_theta,
         "rope_scaling": None if c.rope_scaling is None else rope,
         "torch_dtype": c.param_dtype,
+        **moe,
     }
 
 
@@ -171,6 +208,23 @@ def _architecture(hf: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Layout conversion.
+
+
+def _tensors(
+    path: tuple[str, ...], config: ModelConfig
+) -> tuple[list[tuple[str, tuple]], int | None]:
+    """The Hugging Face tensors of the jspec parameter at `path`: (key, index of the key's slice
+    of the stacked jspec array) pairs, and the parameter's `n_in`."""
+    stacks = layer_stacks(config)
+    if path[0] not in stacks:
+        key, n_in = _KEYS[path]
+        return [(key, ())], n_in
+    key, n_in = _LAYER_KEYS[path[1:]]
+    out = [(key, ())]
+    for name, ids in (("{i}", stacks[path[0]]), ("{e}", range(config.num_experts))):
+        if name in key:
+            out = [(k.replace(name, str(v)), at + (j,)) for k, at in out for j, v in enumerate(ids)]
+    return out, n_in
 
 
 def _from_hf(w: np.ndarray, shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
@@ -232,14 +286,20 @@ class _Reader:
             )
         return w
 
-    def param(self, path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
-        """The jspec parameter at `path` in jspec layout (per-layer tensors read and stacked)."""
-        key, n_in = _KEYS[path]
-        if "{i}" not in key:
-            return _from_hf(self.tensor(key, _hf_shape(shape, n_in)), shape, n_in)
-        one = shape[1:]
-        layers = [self.tensor(key.format(i=i), _hf_shape(one, n_in)) for i in range(shape[0])]
-        return np.stack([_from_hf(w, one, n_in) for w in layers])
+    def param(self, path: tuple[str, ...], shape: tuple[int, ...], dtype, index=()) -> np.ndarray:
+        """The slice `index` (slices, leading axes; default all) of the jspec parameter at `path`
+        in jspec layout, reading only the per-layer and per-expert tensors that the slice covers."""
+        keys, n_in = _tensors(path, self.config)
+        stacked = len(keys[0][1])  # leading axes that enumerate tensors (layers, experts)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        kept = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
+        out = np.empty([len(r) for r in kept], dtype)
+        one = shape[stacked:]
+        for key, at in keys:
+            if all(i in r for i, r in zip(at, kept[:stacked], strict=True)):
+                w = _from_hf(self.tensor(key, _hf_shape(one, n_in)), one, n_in)
+                out[tuple(r.index(i) for i, r in zip(at, kept, strict=False))] = w[index[stacked:]]
+        return out
 
 
 def load(
@@ -267,12 +327,12 @@ def load(
     with contextlib.ExitStack() as stack:
         reader = _Reader(root, config, stack)
         for keys, var in nnx.to_flat_state(state):
-            host = reader.param(keys, tuple(var.shape)).astype(np_dtype, copy=False)
+            shape = tuple(var.shape)
             if mesh is None:
-                array = jax.device_put(host)
+                array = jax.device_put(reader.param(keys, shape, np_dtype))
             else:  # each device receives its own slice only
-                sharding = mesh_lib.sharding(mesh, var.axes)
-                array = jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
+                read = lambda i, keys=keys, shape=shape: reader.param(keys, shape, np_dtype, i)
+                array = jax.make_array_from_callback(shape, mesh_lib.sharding(mesh, var.axes), read)
             node = values
             for k in keys[:-1]:
                 node = node.setdefault(k, {})
@@ -296,13 +356,10 @@ def save(
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for keys, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key, n_in = _KEYS[keys]
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         host = np.asarray(jax.device_get(var[...]))
-        if "{i}" in key:
-            tensors.update({key.format(i=i): _to_hf(w, n_in) for i, w in enumerate(host)})
-        else:
-            tensors[key] = _to_hf(host, n_in)
+        keys, n_in = _tensors(path, model.config)
+        tensors.update({key: _to_hf(host[at], n_in) for key, at in keys})
     (root / CONFIG).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     total = sum(w.nbytes for w in tensors.values())

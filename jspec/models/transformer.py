@@ -9,6 +9,10 @@ One layer body (`Block.__call__`) serves every use; what differs is how it is dr
   indexes the stacked weights, because a scanned stack streams weights 1.7-2.5x slower in decode
   (GPU.md).
 
+Mixture of experts (`jspec.models.moe`): layers with the sparse MLP are stacked apart from those
+with the dense MLP (`layer_stacks`), as the two have different weights; training scans each run of
+consecutive layers of one kind, rollout steps through the layers in order, from either stack.
+
 Attention itself is `jspec.attention`: this module rotates q and k and hands them over. Decode is
 a one-token prefill: the token's K/V are written into the cache, layer by layer in place, and the
 token attends to the cache. Verification is the branch forward (nodes hanging off the last cached
@@ -34,13 +38,18 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
-from jspec.attention.zigzag import check_alignment, concrete, misaligned
+from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
 from jspec.config import ConfigError, ModelConfig
+from jspec.models.moe import MoE, load_balancing_loss
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
 # serves as extra data parallelism: DESIGN.md).
 TRAIN_ACT = ("batch", "seq")
 ROLLOUT_ACT = ("decode_batch", None)
+
+# Rollout queries per row up to which attention takes the few-query path (`impl="decode"`: one read
+# of the cache for all queries of a row); longer prefills take the block kernels.
+FEW_QUERIES = 64
 
 KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
 Taps = Float[Array, "taps b t d"]  # hidden states entering the layers config.taps (T may be absent)
@@ -54,6 +63,8 @@ _AXIS_FIELDS = {
     "head_dim": "head_dim",
     "mlp": "intermediate_size",
     "layers": "num_layers",
+    "expert": "num_experts",
+    "moe_mlp": "moe_intermediate_size",
 }
 
 
@@ -75,6 +86,17 @@ def check_mesh(config: ModelConfig, mesh: Mesh | None) -> None:
                 f"parameter axis {name!r} is split over; set {mesh_size} to a divisor of {value},"
                 f" or use a model whose {field} is a multiple of {size}."
             )
+
+
+def layer_stacks(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The layers each decoder stack holds, by attribute of `Transformer`: `layers` those with the
+    dense MLP, `moe_layers` those with the mixture of experts; an empty stack is absent."""
+    sparse = config.sparse_layers
+    stacks = {
+        "layers": tuple(i for i, s in enumerate(sparse) if not s),
+        "moe_layers": tuple(i for i, s in enumerate(sparse) if s),
+    }
+    return {name: ids for name, ids in stacks.items() if ids}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,14 +157,23 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, fan_in: int | None) -> nnx
 
 
 class Block(nnx.Module):
-    """The decoder layers: one Block holds the weights of all L layers stacked on axis 0.
+    """Decoder layers: one Block holds the weights of `num_layers` layers stacked on axis 0, with
+    the dense MLP, or with the mixture of experts if `sparse` (`mesh`: its expert parallelism).
 
     `__call__` is the body of one layer and runs on a one-layer slice of the weights (as merged
     by `Transformer._scan` and `Transformer._unrolled`); the stacked module is never called.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c, n = config, config.num_layers
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_layers: int,
+        *,
+        rngs: nnx.Rngs,
+        sparse: bool = False,
+        mesh: Mesh | None = None,
+    ):
+        c, n = config, num_layers
         d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         p = functools.partial(_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config = config
@@ -154,14 +185,19 @@ class Block(nnx.Module):
         self.q_norm = p((n, e), ("layers", "norm"), fan_in=None) if c.qk_norm else None
         self.k_norm = p((n, e), ("layers", "norm"), fan_in=None) if c.qk_norm else None
         self.mlp_norm = p((n, d), ("layers", "norm"), fan_in=None)
-        self.w_gate = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
-        self.w_up = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
-        self.w_down = p((n, f, d), ("layers", "mlp", "embed"), fan_in=f)
+        self.moe = MoE(config, n, p, mesh) if sparse else None
+        if not sparse:
+            self.w_gate = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
+            self.w_up = p((n, d, f), ("layers", "embed", "mlp"), fan_in=d)
+            self.w_down = p((n, f, d), ("layers", "mlp", "embed"), fan_in=f)
 
-    def __call__(self, x_BTD, cos_sin, attend):
-        """One layer. `attend(q, k, v) -> out` is the attention of the caller's mode (rotated q, k).
+    def __call__(self, x_BTD, cos_sin, attend, act, valid_BT=None):
+        """One layer. `attend(q, k, v) -> out` is the attention of the caller's mode (rotated q, k);
+        `act` names the activations' (batch, seq) axes and `valid_BT` marks non-padding tokens,
+        for the mixture of experts (its token exchange and router statistics).
 
-        Returns the new residual stream and this layer's (k, v) [B,T,K,E], rotated, for caches.
+        Returns the new residual stream, this layer's (k, v) [B,T,K,E], rotated, for caches, and
+        the router's `RouterStats` (None for a dense MLP).
         """
         c = self.config
         w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))
@@ -172,8 +208,11 @@ class Block(nnx.Module):
         )  # fmt: skip
         x_BTD = x_BTD + o_BTD
         h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        if self.moe is not None:
+            y_BTD, stats = self.moe(h_BTD, valid_BT, act)
+            return x_BTD + y_BTD, kv, stats
         x_BTD = x_BTD + swiglu(h_BTD, w(self.w_gate), w(self.w_up), w(self.w_down))
-        return x_BTD, kv
+        return x_BTD, kv, None
 
 
 def attention_sublayer(h_BTD, wq, wk, wv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
@@ -292,7 +331,20 @@ class CacheWriter:
         return attention(
             q, k_all[i], v_all[i], c.segment_ids, c.positions,
             q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
+            impl=rollout_impl(q.shape[1]),
         )  # fmt: skip
+
+
+def rollout_impl(queries: int) -> str:
+    """The attention path of rollout queries: few per row take `impl="decode"`."""
+    return "decode" if queries <= FEW_QUERIES else "auto"
+
+
+def cache_attention(cache: KVCache, layer: int, branch: Branch):
+    """Branch nodes (verification, draft trees) against one layer of the cache."""
+    k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
+    impl = rollout_impl(branch.q.shape[1])
+    return attention(None, k, v, seg, pos, branch=branch, impl=impl)[1]
 
 
 def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
@@ -344,7 +396,8 @@ class TreeKV(NamedTuple):
 class Transformer(nnx.Module):
     """Decoder-only LM. Parameters carry logical axis names (`param_shardings` places them).
 
-    `mesh` (static) is used only for activation sharding constraints; None means none.
+    `mesh` (static) is used for activation sharding constraints and expert parallelism; None means
+    neither. The decoder layers are `layers` and `moe_layers` (`layer_stacks`; None when empty).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
@@ -355,7 +408,12 @@ class Transformer(nnx.Module):
         self.mesh = mesh
         vd = (c.vocab_size, c.hidden_size)
         self.embed = _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
-        self.layers = Block(config, rngs=rngs)
+        stacks = layer_stacks(config)
+        dense, sparse = stacks.get("layers"), stacks.get("moe_layers")
+        self.layers = Block(config, len(dense), rngs=rngs) if dense else None
+        self.moe_layers = (
+            Block(config, len(sparse), rngs=rngs, sparse=True, mesh=mesh) if sparse else None
+        )
         self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pdt, None)
         tied = c.tie_embeddings
         self.unembed = None if tied else _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
@@ -369,9 +427,13 @@ class Transformer(nnx.Module):
         positions: Int[Array, "b t"] | None = None,
         *,
         taps: bool = False,
-    ) -> Float[Array, "b t v"] | tuple[Float[Array, "b t v"], Taps]:
+        aux_loss: bool = False,
+    ) -> Float[Array, "b t v"] | tuple[Array, ...]:
         """Logits (float32) of packed rows; with `taps`, also the hidden states entering the layers
-        `config.taps` [len(taps),B,T,D] (not detached: the caller stops their gradient).
+        `config.taps` [len(taps),B,T,D] (not detached: the caller stops their gradient); with
+        `aux_loss`, last, the router's load-balancing loss over the non-padding tokens (a scalar,
+        `transformers`' `aux_loss`; 0 without sparse layers): a training loss adds
+        `config.router_aux_loss_coef` times it.
 
         segment_ids None: one document per row; positions None: 0..T-1 in every row (pass them
         for packed rows, restarting at each document).
@@ -397,13 +459,17 @@ class Transformer(nnx.Module):
         else:
             attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
         x_BTD = self._embed(tokens, TRAIN_ACT)
-        x_BTD, taps_ = self._scan(x_BTD, rope_angles(self.config, positions), attend, taps)
+        cos_sin = rope_angles(self.config, positions)
+        x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids != 0, taps)
         logits = self._logits(x_BTD, TRAIN_ACT)
-        if cp > 1:  # a misaligned document (known only under jit) poisons the result with NaN
-            logits = jnp.where(misaligned(natural_seg, cp), jnp.nan, logits)
+        if cp > 1:  # a misaligned document (known only under jit) marks its row with NaN
+            logits = mark_misaligned(logits, natural_seg, cp)
             logits = zigzag_unshard(logits, natural_seg, cp)
             taps_ = [zigzag_unshard(x, natural_seg, cp) for x in taps_]
-        return (logits, jnp.stack(taps_)) if taps else logits
+        out = (logits, *([jnp.stack(taps_)] if taps else []))
+        if aux_loss:
+            out += (jnp.zeros(()) if stats is None else load_balancing_loss(stats),)
+        return out if len(out) > 1 else logits
 
     # -- rollout -------------------------------------------------------------------------------
 
@@ -491,8 +557,7 @@ class Transformer(nnx.Module):
                 branch = Branch(q, k, v, anchor, parent)
             else:
                 branch = earlier.branch(i, q, k, v, anchor, parent)
-            kc, vc = cache.k[i], cache.v[i]
-            return attention(None, kc, vc, cache.segment_ids, cache.positions, branch=branch)[1]
+            return cache_attention(cache, i, branch)
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
         x_BND, taps_, (k, v) = self._unrolled(
@@ -523,39 +588,64 @@ class Transformer(nnx.Module):
         logits = jnp.einsum("btd,vd->btv", x_BTD, w_VD, preferred_element_type=jnp.float32)
         return self._constrain(logits, (*act, "act_vocab"))
 
-    def _scan(self, x_BTD, cos_sin, attend, taps: bool):
-        """All layers by `lax.scan` under the remat policy; cut where a tap is taken."""
-        graphdef, state = nnx.split(self.layers)
+    def _stacks(self) -> dict[str, tuple[nnx.GraphDef, nnx.State]]:
+        return {name: nnx.split(getattr(self, name)) for name in layer_stacks(self.config)}
 
-        def body(x, state_i):
+    def _runs(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """Layers start..stop-1 as runs (stack, first, end) of consecutive layers of one stack."""
+        where = {i: (name, j) for name, ids in layer_stacks(self.config).items()
+                 for j, i in enumerate(ids)}  # fmt: skip
+        runs: list[tuple[str, int, int]] = []
+        for i in range(start, stop):
+            name, j = where[i]
+            if runs and runs[-1][0] == name and runs[-1][2] == j:
+                runs[-1] = (name, runs[-1][1], j + 1)
+            else:
+                runs.append((name, j, j + 1))
+        return runs
+
+    def _scan(self, x_BTD, cos_sin, attend, valid_BT, taps: bool):
+        """All layers by `lax.scan` under the remat policy, one scan per run of layers of one stack,
+        cut where a tap is taken. Returns the output, the taps and the summed `RouterStats` (None
+        without sparse layers)."""
+        stacks = self._stacks()
+
+        def body(graphdef, x, state_i):
             x = self._constrain(x, (*TRAIN_ACT, "act_embed"))
-            return nnx.merge(graphdef, state_i)(x, cos_sin, attend)[0], None
+            x, _, stats = nnx.merge(graphdef, state_i)(x, cos_sin, attend, TRAIN_ACT, valid_BT)
+            return x, stats
 
         remat = self.config.remat
         if remat != "none":
             policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             policy = None if remat == "full" else policy
-            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+            body = jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=(0,))
         cuts = sorted(self.config.taps) if taps else []
-        entering, start = {}, 0
+        entering, start, stats = {}, 0, []
         for stop in [*cuts, self.config.num_layers]:
-            if stop > start:
-                part = jax.tree.map(lambda a, lo=start, hi=stop: a[lo:hi], state)
-                x_BTD, _ = jax.lax.scan(body, x_BTD, part)
+            for name, lo, hi in self._runs(start, stop):
+                graphdef, state = stacks[name]
+                part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], state)
+                x_BTD, ys = jax.lax.scan(functools.partial(body, graphdef), x_BTD, part)
+                if ys is not None:
+                    stats.append(jax.tree.map(lambda y: jnp.sum(y, axis=0), ys))
             entering[stop], start = x_BTD, stop
-        return x_BTD, [entering[t] for t in self.config.taps] if taps else []
+        total = jax.tree.map(lambda *y: sum(y), *stats) if stats else None
+        return x_BTD, [entering[t] for t in self.config.taps] if taps else [], total
 
     def _unrolled(self, x_BTD, cos_sin, attend, taps: bool):
         """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V.
 
         `attend(i, q, k, v)` gets the layer index, to read layer i of a cache.
         """
-        graphdef, state = nnx.split(self.layers)
+        stacks = self._stacks()
         entering, ks, vs = {}, [], []
         for i in range(self.config.num_layers):
             x_BTD = entering[i] = self._constrain(x_BTD, (*ROLLOUT_ACT, "act_embed"))
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))  # static slice
-            x_BTD, (k, v) = layer(x_BTD, cos_sin, functools.partial(attend, i))
+            ((name, j, _),) = self._runs(i, i + 1)
+            graphdef, state = stacks[name]
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))  # static slice
+            x_BTD, (k, v), _ = layer(x_BTD, cos_sin, functools.partial(attend, i), ROLLOUT_ACT)
             ks.append(k)
             vs.append(v)
         tapped = [entering[t] for t in self.config.taps] if taps else []

@@ -1,0 +1,90 @@
+"""A few queries per row against a long KV cache: the attention of decode and verification.
+
+Rollouts ask a handful of queries per row (one decoded token, a draft tree of a few dozen nodes)
+against thousands of cached keys. The block kernels tile queries by 128 rows and run one program
+per query head, so every KV head's cache is read once per query head, and they pad the cache to a
+multiple of their tile (a copy per call). Here all queries of a row and all query heads of a KV
+group share one read of each cache chunk: one grouped einsum [B, K, G, R, chunk] of scores, masked
+by the contract's rules (`masks`), continued across chunks by online softmax in float32; the
+branch keys (a few per row) join the same softmax. Plain XLA, so autodiff works, but it is meant
+for rollouts: training keeps the block kernels (`impl="decode"` selects this path).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jspec.attention import masks
+from jspec.attention.blocks import _finish
+
+CHUNK = 4096  # cache slots per step of the online softmax: bounds the score buffer
+
+
+def _continue(state, s, v, scale):
+    """Online softmax: fold scores s [B,K,G,R,C] (-inf where masked) and values v [B,C,K,D] in."""
+    m, l, acc = state
+    s = s * scale
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    pv = jnp.einsum("bkgrc,bckd->bkgrd", p, v.astype(jnp.float32))
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+
+def decode_attention(
+    q: Float[Array, "b r hq d"],
+    q_segment_ids: Int[Array, "b r"],
+    q_positions: Int[Array, "b r"],
+    k: Float[Array, "b s hkv d"],
+    v: Float[Array, "b s hkv d"],
+    segment_ids: Int[Array, "b s"],
+    positions: Int[Array, "b s"],
+    nodes: Int[Array, "b r"] | None,
+    branch_k: Float[Array, "b n hkv d"] | None,
+    branch_v: Float[Array, "b n hkv d"] | None,
+    parent: Int[Array, "b n"] | None,
+    *,
+    scale: float,
+) -> Float[Array, "b r hq d"]:
+    """Output (float32) of R query rows: trunk rule by (q_segment_ids, q_positions), and for rows
+    whose `nodes` entry is a branch node (>= 0), that node and its ancestors among the branch keys.
+    """
+    b, r, hq, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, r, hkv, hq // hkv, d)
+    shape = (b, hkv, hq // hkv, r)
+    state = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, d), jnp.float32),
+    )
+
+    def trunk_chunk(state, start, size):
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        seen = masks.visible(
+            q_segment_ids[:, :, None], q_positions[:, :, None],
+            sl(segment_ids)[:, None], sl(positions)[:, None],
+        )  # fmt: skip
+        s = jnp.einsum("brkgd,bckd->bkgrc", qg, sl(k), preferred_element_type=jnp.float32)
+        s = jnp.where(seen[:, None, None], s, -jnp.inf)
+        return _continue(state, s, sl(v), scale)
+
+    full, rest = divmod(s_len, CHUNK)
+    if full > 1:
+        body = lambda state, i: (trunk_chunk(state, i * CHUNK, CHUNK), None)
+        state, _ = jax.lax.scan(body, state, jnp.arange(full))
+    elif full == 1:
+        state = trunk_chunk(state, 0, CHUNK)
+    if rest:
+        state = trunk_chunk(state, full * CHUNK, rest)
+    if branch_k is not None:
+        ancestors = masks.ancestor_mask(parent)  # [B, N, N]: small trees only
+        seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
+        seen = seen & (nodes >= 0)[:, :, None]
+        s = jnp.einsum("brkgd,bnkd->bkgrn", qg, branch_k, preferred_element_type=jnp.float32)
+        state = _continue(state, jnp.where(seen[:, None, None], s, -jnp.inf), branch_v, scale)
+    out, _ = _finish(*state)
+    return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)

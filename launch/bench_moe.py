@@ -168,9 +168,15 @@ def main(argv=None):
             print(row, flush=True)
             save()
 
+    print_table(rows, args, c, dense, devices[0].device_kind)
+    print(f"wrote {args.json}")
+
+
+def print_table(rows, args, c, dense, device_kind) -> None:
+    """The measured rows as a table, then MoE over dense tokens/s on one device."""
     print(
-        f"\none {args.config} layer, {args.device} ({devices[0].device_kind}), {c.dtype}: "
-        f"D={d}, {c.num_experts} experts top-{c.num_experts_per_tok} of width "
+        f"\none {args.config} layer, {args.device} ({device_kind}), {c.dtype}: "
+        f"D={c.hidden_size}, {c.num_experts} experts top-{c.num_experts_per_tok} of width "
         f"{c.moe_intermediate_size} vs dense width {dense.intermediate_size}; train "
         f"{args.batch}x{args.seq} tokens/device, decode {args.decode_batch} rows/device"
     )
@@ -187,7 +193,6 @@ def main(argv=None):
             ratio = (by["moe", 1, mode]["tokens_per_s_per_device"]
                      / by["dense", 1, mode]["tokens_per_s_per_device"])  # fmt: skip
             print(f"{mode}: MoE / dense tokens/s on one device = {ratio:.2f}")
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

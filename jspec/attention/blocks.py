@@ -171,6 +171,22 @@ def fwd(
     return _untiles(o), _untiles(lse)
 
 
+def _tile_grads(q_i, k_j, v_j, qseg, qpos, kseg, kpos, lse_i, do_i, delta_i, scale):
+    """One (q tile, k tile) pair of the backward: its dq, dk and dv contributions (float32)."""
+    heads_first = lambda x: jnp.moveaxis(x, 1, 3)  # [B, bq, Hkv, G] -> [B, Hkv, G, bq]
+    s, mask = _scores(q_i, k_j, qseg, qpos, kseg, kpos, scale)
+    lse_t = heads_first(lse_i)
+    lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)
+    p = jnp.where(mask, jnp.exp(s - lse_safe[..., None]), 0.0)
+    f32 = dict(preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i, **f32)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, **f32)
+    ds = (p * (dp - heads_first(delta_i)[..., None]) * scale).astype(q_i.dtype)
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j, **f32)
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_i, **f32)
+    return dq, dk, dv
+
+
 def bwd(
     q: Float[Array, "b tq hq d"],
     k: Float[Array, "b tk hkv d"],
@@ -193,9 +209,6 @@ def bwd(
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
 
-    def heads_first(x):  # [B, bq, Hkv, G] -> [B, Hkv, G, bq]
-        return jnp.moveaxis(x, 1, 3)
-
     qr = tile_ranges(q_seg, q_pos, block_q)
     q_xs = (
         _tiles(_grouped(q, hkv), block_q),
@@ -215,24 +228,9 @@ def bwd(
 
             def grads(carry):
                 dk_j, dv_j = carry
-                s, mask = _scores(q_i, k_j, qseg, qpos, kseg, kpos, scale)
-                lse_t = heads_first(lse_i)
-                lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, 0.0)
-                p = jnp.where(mask, jnp.exp(s - lse_safe[..., None]), 0.0)
-                dv_j = dv_j + jnp.einsum(
-                    "bhgqk,bqhgd->bkhd",
-                    p.astype(do_i.dtype),
-                    do_i,
-                    preferred_element_type=jnp.float32,
-                )
-                dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
-                ds = p * (dp - heads_first(delta_i)[..., None]) * scale
-                ds = ds.astype(q_i.dtype)
-                dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j, preferred_element_type=jnp.float32)
-                dk_j = dk_j + jnp.einsum(
-                    "bhgqk,bqhgd->bkhd", ds, q_i, preferred_element_type=jnp.float32
-                )
-                return (dk_j, dv_j), dq_i
+                tile = (q_i, k_j, v_j, qseg, qpos, kseg, kpos, lse_i, do_i, delta_i)
+                dq_i, dk, dv = _tile_grads(*tile, scale)
+                return (dk_j + dk, dv_j + dv), dq_i
 
             def skip(carry):
                 return carry, jnp.zeros_like(q_i, jnp.float32)

@@ -84,11 +84,7 @@ def main(argv=None):
         c, num_experts=0, intermediate_size=c.num_experts_per_tok * c.moe_intermediate_size
     )
     dtype = jnp.dtype(c.dtype)
-    d, h, k, e = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    itemsize = jnp.dtype(c.param_dtype).itemsize
-    attn_params = d * (h + 2 * k) * e + h * e * d
-    mlp_active = 3 * d * c.num_experts_per_tok * c.moe_intermediate_size
-    expert_bytes = 3 * d * c.moe_intermediate_size * itemsize
+    d = c.hidden_size
 
     def layer_fn(config, mesh):
         """(state, forward(state, x) -> y) of one layer, its weights placed on `mesh`."""
@@ -145,19 +141,8 @@ def main(argv=None):
             tokens = b * t  # per device
             row = {"layer": name, "devices": p, "mode": mode, "rows_per_device": b, "seq": t,
                    "ms": ms, "tokens_per_s_per_device": tokens / ms * 1e3}  # fmt: skip
-            if mode == "train":
-                flops = 2 * tokens * (attn_params + mlp_active) + 4 * b * t * t / 2 * h * e
-                row["tflops_per_device"] = 3 * flops / (ms * 1e9)
-                row["of_peak"] = row["tflops_per_device"] / args.peak_tflops
-            else:
-                weights = (attn_params + mlp_active) * itemsize
-                if name == "moe":
-                    x_, k_ = c.num_experts, c.num_experts_per_tok
-                    row["experts_reached"] = x_ * (1 - (1 - k_ / x_) ** b)
-                    weights = (attn_params + d * x_) * itemsize
-                    weights += row["experts_reached"] * expert_bytes
-                row["weight_bytes_per_s"] = weights / (ms * 1e-3)
-                row["of_peak"] = row["weight_bytes_per_s"] / args.peak_bytes
+            row.update(rates(row, c, args))
+            if mode == "decode":
                 if name == "moe" and p == 1:
                     one_device = np.asarray(out, np.float32)
                 elif name == "moe":  # its first rows are one device's batch
@@ -170,6 +155,31 @@ def main(argv=None):
 
     print_table(rows, args, c, dense, devices[0].device_kind)
     print(f"wrote {args.json}")
+
+
+def rates(row, c, args) -> dict:
+    """Achieved TFLOP/s (train) or weight bytes/s (decode) of a measured row, and their share of
+    the peak. Active parameters: attention and the experts a token (train) or the batch (decode,
+    under uniform routing) reaches."""
+    d, h, e = c.hidden_size, c.num_heads, c.head_dim
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[c.param_dtype]  # jax not imported here
+    attn_params = d * (h + 2 * c.num_kv_heads) * e + h * e * d
+    mlp_active = 3 * d * c.num_experts_per_tok * c.moe_intermediate_size
+    b, t, ms = row["rows_per_device"], row["seq"], row["ms"]
+    if row["mode"] == "train":
+        flops = 2 * b * t * (attn_params + mlp_active) + 4 * b * t * t / 2 * h * e
+        tflops = 3 * flops / (ms * 1e9)
+        return {"tflops_per_device": tflops, "of_peak": tflops / args.peak_tflops}
+    out = {}
+    weights = (attn_params + mlp_active) * itemsize
+    if row["layer"] == "moe":
+        x, k = c.num_experts, c.num_experts_per_tok
+        out["experts_reached"] = x * (1 - (1 - k / x) ** b)
+        expert_bytes = 3 * d * c.moe_intermediate_size * itemsize
+        weights = (attn_params + d * x) * itemsize + out["experts_reached"] * expert_bytes
+    out["weight_bytes_per_s"] = weights / (ms * 1e-3)
+    out["of_peak"] = out["weight_bytes_per_s"] / args.peak_bytes
+    return out
 
 
 def print_table(rows, args, c, dense, device_kind) -> None:

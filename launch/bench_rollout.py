@@ -8,17 +8,20 @@ For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs 
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the
 decode step time is (time of M tokens - time of 1 token) / (M - 1), which removes the prefill. The
 cost curve runs the target's branch forward over a chain of N nodes against the same cache in a
-jitted loop, reported in decode steps (N = 1 is the decode step of the verify path). The memory
-floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`, 4.1 TB/s
-on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache updates) is
-timed the same way and reported in decode steps: the accepted length at which it breaks even.
+jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
+memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
+4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache
+updates) is timed the same way and reported in decode steps: the accepted length at which it
+breaks even.
 Weights are random: speed only, not acceptance. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import gzip
 import json
 import pathlib
 import time
@@ -53,6 +56,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
+    p.add_argument("--profile", metavar="DIR", help="trace the plain step; print its top kernels")
     p.add_argument("--out", default="bench_rollout.json")
     return p.parse_args(argv)
 
@@ -103,7 +107,7 @@ def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) 
     """Time of one branch forward over a chain of n nodes against a prefilled cache."""
     graphdef, state = nnx.split(model)
     b, t = prompts.shape
-    m = lambda state: nnx.merge(graphdef, state)
+    m = lambda state: nnx.merge(graphdef, state).for_rollout()
     cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, t + n), lengths)[1])(state)
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
     anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
@@ -122,6 +126,37 @@ def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) 
     return best_time(lambda: run(state, cache), iters) / loops
 
 
+def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
+    """(kernel, ms per step, launches per step) of the GPU kernels in the newest perfetto trace
+    under `log_dir`, the `top` heaviest, from `jax.profiler.trace(create_perfetto_trace=True)`."""
+    path = max(pathlib.Path(log_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    print("trace processes:", sorted(set(names.values())))
+    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            total[e["name"]] += e["dur"] / 1e3
+            count[e["name"]] += 1
+    rows = [(name, ms / steps, count[name] / steps) for name, ms in total.most_common(top)]
+    print(f"GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
+          f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
+    for name, ms, n in rows:
+        print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:110]}")
+    return rows
+
+
+def profile_step(model, prompts, lengths, new_tokens, log_dir) -> list:
+    """The top kernels of the plain decode loop (prefill included, so `new_tokens` is large)."""
+    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=TreeConfig())
+    run = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
+    jax.block_until_ready(run())
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    return kernel_table(log_dir, new_tokens)
+
+
 def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
     """One row of the table: the plain step, the verify cost curve, the speculative steps."""
     cfg = model.config
@@ -132,6 +167,8 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
         model, d, tree, prompts, lengths, args.new_tokens, args.iters
     )
     step = time_step(None, TreeConfig())
+    if args.profile:
+        profile_step(model, prompts, lengths, args.new_tokens, f"{args.profile}/batch{batch}")
     blocks_step = None
     if args.compare_blocks:
         with few_queries(0):
@@ -150,7 +187,7 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
-        verify_in_decode_steps={n: s / curve[min(curve)] for n, s in curve.items()},
+        verify_in_decode_steps={n: s / step for n, s in curve.items()},
         spec_step_in_decode_steps={
             k: time_step(draft, t) / step for k, t in ({} if args.no_spec else TREES).items()
         },

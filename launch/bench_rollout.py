@@ -13,7 +13,10 @@ memory floor of a decode step is (weights + KV cache read) / the copy bandwidth 
 4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache
 updates) is timed the same way and reported in decode steps: the accepted length at which it
 breaks even.
-Weights are random: speed only, not acceptance. Prints a table and writes JSON.
+Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
+draft written by `launch/train_code_lm.py`: then prompts are held-out source files, and each
+speculative step comes with its accepted length, the measured speedup over plain decoding and the
+speedup the verify cost curve predicts. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from flax import nnx
 
 from jspec import config as config_lib
 from jspec.config import RolloutConfig, TreeConfig
-from jspec.models import create, transformer
+from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.rl.tasks import HFTokenizer
 from jspec.sampler import decoding, generate
 
 
@@ -57,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
     p.add_argument("--profile", metavar="DIR", help="trace the plain step; print its top kernels")
+    p.add_argument(
+        "--trained",
+        metavar="RUN_DIR",
+        help="target, draft and held-out prompts written by launch/train_code_lm.py",
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default="bench_rollout.json")
     return p.parse_args(argv)
 
@@ -93,14 +103,41 @@ def best_time(fn, iters: int) -> float:
     return min(times)
 
 
-def step_seconds(model, draft, tree, prompts, lengths, new_tokens, iters) -> float:
-    """Time of one step of the `generate` loop (draft + verify + bookkeeping), prefill excluded:
-    a plain decode step when `draft` is None."""
-    key = jax.random.key(0)
-    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=0.0, tree=tree)
+def step_seconds(model, draft, tree, prompts, lengths, args) -> tuple[float, float]:
+    """Time of one step of the `generate` loop (draft + verify + bookkeeping), prefill excluded,
+    and the mean accepted length (tokens a step emits); a plain decode step when `draft` is None."""
+    key, m = jax.random.key(0), args.new_tokens
+    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
     run = lambda m: lambda: generate(model, draft, prompts, lengths, key, config(m))
-    steps = int(np.max(run(new_tokens)().stats.steps))
-    return (best_time(run(new_tokens), iters) - best_time(run(1), iters)) / steps
+    stats = run(m)().stats
+    steps = int(np.max(stats.steps))
+    seconds = (best_time(run(m), args.iters) - best_time(run(1), args.iters)) / steps
+    return seconds, stats.mean_accepted_length()
+
+
+def tree_nodes(tree: TreeConfig) -> int:
+    """Nodes a verify step runs: the root and the tree's nodes."""
+    if tree.kind == "dynamic":
+        return 1 + tree.total_tokens
+    return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
+
+
+def speculative(model, draft, prompts, lengths, step: float, curve: dict, args) -> dict:
+    """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
+    speedup over plain decoding and the one the verify cost curve predicts (accepted length over
+    the verify cost of the tree's nodes, interpolated: drafting is not in it)."""
+    out = {}
+    sizes = sorted(curve)
+    for name, tree in TREES.items():
+        seconds, accepted = step_seconds(model, draft, tree, prompts, lengths, args)
+        verify = np.interp(tree_nodes(tree), sizes, [curve[n] for n in sizes]) / step
+        out[name] = dict(
+            step_in_decode_steps=seconds / step,
+            accepted_length=accepted,
+            speedup=accepted * step / seconds,
+            predicted_speedup=accepted / verify if len(sizes) > 1 else None,
+        )
+    return out
 
 
 def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) -> float:
@@ -157,15 +194,12 @@ def profile_step(model, prompts, lengths, new_tokens, log_dir) -> list:
     return kernel_table(log_dir, new_tokens)
 
 
-def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
+def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     """One row of the table: the plain step, the verify cost curve, the speculative steps."""
     cfg = model.config
-    rng = np.random.default_rng(0)
-    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
+    batch = prompts.shape[0]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
-    time_step = lambda d, tree: step_seconds(
-        model, d, tree, prompts, lengths, args.new_tokens, args.iters
-    )
+    time_step = lambda d, tree: step_seconds(model, d, tree, prompts, lengths, args)[0]
     step = time_step(None, TreeConfig())
     if args.profile:
         profile_step(model, prompts, lengths, args.new_tokens, f"{args.profile}/batch{batch}")
@@ -188,9 +222,9 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
-        spec_step_in_decode_steps={
-            k: time_step(draft, t) / step for k, t in ({} if args.no_spec else TREES).items()
-        },
+        speculative={}
+        if args.no_spec
+        else speculative(model, draft, prompts, lengths, step, curve, args),
     )
 
 
@@ -199,15 +233,39 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
-    cfg = config_lib.load(args.config, args.overrides).model
-    model = create(cfg)
+    model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
     rows = []
     for b in args.batches:
-        rows.append(measure(model, draft, b, weight_bytes, args))
+        prompts = jnp.asarray(np.resize(prompt_rows, (b, args.prompt_len)), jnp.int32)
+        rows.append(measure(model, draft, prompts, weight_bytes, args))
         print_row(rows[-1])
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+
+
+def random_models(args):
+    """Target and draft of random weights (speed only), random prompts."""
+    cfg = config_lib.load(args.config, args.overrides).model
+    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (max(args.batches), args.prompt_len))
+    return create(cfg), draft, prompts
+
+
+def trained(args):
+    """Target and draft of `launch/train_code_lm.py` in bfloat16, and prompts: the first
+    `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
+    run = pathlib.Path(args.trained)
+    target = hf.load(run / "target", dtype="bfloat16")
+    draft, _ = hf_eagle3.load(run / "draft", dtype="bfloat16")
+    eos = json.loads((run / "report.json").read_text())["eos_token"]
+    tok = HFTokenizer(run / "tokenizer.json", eos)
+    texts = json.loads((run / "heldout.json").read_text())
+    prompts = [ids[: args.prompt_len] for ids in map(tok.encode, texts)]
+    prompts = [p for p in prompts if len(p) == args.prompt_len][: max(args.batches)]
+    if not prompts:
+        raise SystemExit(f"no held-out file of {args.prompt_len} tokens; lower --prompt-len")
+    return target, draft, np.asarray(prompts)
 
 
 def print_row(r) -> None:
@@ -220,9 +278,14 @@ def print_row(r) -> None:
         f"{r['tokens_per_s']:10,.0f} tok/s",
         f"floor {r['floor_ms']:.2f} ms ({100 * r['of_floor']:.0f}%)",
         f"verify/decode {curve}",
-        "spec step/decode "
-        + ", ".join(f"{k}: {x:.2f}" for k, x in r["spec_step_in_decode_steps"].items()),
     ]
+    for name, x in r["speculative"].items():
+        predicted = x["predicted_speedup"]
+        parts.append(
+            f"{name}: step {x['step_in_decode_steps']:.2f} decodes, accepted "
+            f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x"
+            + ("" if predicted is None else f" (predicted {predicted:.2f}x)")
+        )
     print(" | ".join(parts), flush=True)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gzip
 import json
 import pathlib
@@ -67,6 +68,12 @@ def parse_args(argv=None):
         help="target, draft and held-out prompts written by launch/train_code_lm.py",
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--check-greedy",
+        action="store_true",
+        help="first check, in float32, that greedy tokens of the rollout path (plain and "
+        "speculative) equal a step-by-step loop of the model's own prefill and decode",
+    )
     p.add_argument("--out", default="bench_rollout.json")
     return p.parse_args(argv)
 
@@ -233,6 +240,8 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
+    if args.check_greedy:
+        check_greedy(config_lib.load(args.config, args.overrides).model, args)
     model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     rows = []
@@ -241,6 +250,37 @@ def main(argv=None):
         rows.append(measure(model, draft, prompts, weight_bytes, args))
         print_row(rows[-1])
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+
+
+def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
+    """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
+    equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`), float32."""
+    cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
+    model = create(cfg)
+    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    rng = np.random.default_rng(1)
+    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
+    lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
+    graphdef, state = nnx.split(model)
+    m = lambda state: nnx.merge(graphdef, state)
+    prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
+    decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
+    logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
+    expected = []
+    for _ in range(new_tokens):
+        expected.append(jnp.argmax(logits, axis=-1))
+        logits, cache = decode(state, expected[-1], cache)
+    expected = np.stack(jax.device_get(expected), axis=1)
+    for name, d, tree in (
+        ("plain", None, TreeConfig()),
+        *((k, draft, t) for k, t in TREES.items()),
+    ):
+        config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
+        got = generate(model, d, prompts, lengths, jax.random.key(0), config).tokens
+        if not np.array_equal(np.asarray(got), expected):
+            raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
+    print(f"greedy check: plain and {', '.join(TREES)} equal the step-by-step loop "
+          f"({batch} x {new_tokens} tokens, float32)", flush=True)  # fmt: skip
 
 
 def random_models(args):

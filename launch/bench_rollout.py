@@ -41,6 +41,7 @@ from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.tasks import HFTokenizer
 from jspec.sampler import decoding, generate
+from jspec.sampler.tree_choice import StepCosts, choose_tree
 
 
 def parse_args(argv=None):
@@ -250,6 +251,19 @@ def main(argv=None):
         rows.append(measure(model, draft, prompts, weight_bytes, args))
         print_row(rows[-1])
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+    if not args.no_spec:
+        print_choices(rows, args.out)
+
+
+def print_choices(rows, path) -> None:
+    """The tree `choose_tree` takes at each batch from this run's costs and accepted lengths, and
+    its measured speedup (1.0: plain decoding)."""
+    costs = StepCosts.from_bench(path)
+    for r in rows:
+        accepted = {t: x["accepted_length"] for t, x in r["speculative"].items()}
+        tree, _ = choose_tree(costs, r["batch"], accepted)
+        speedup = 1.0 if tree is None else r["speculative"][tree]["speedup"]
+        print(f"batch {r['batch']:4d}: chosen {tree or 'plain decoding'}, speedup {speedup:.2f}x")
 
 
 def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:

@@ -423,10 +423,20 @@ class RLConfig:
         _choice(f"{where}.normalization", self.normalization, _NORMALIZATIONS)
         if not 0 < self.ttt_decay <= 1:
             raise ConfigError(f"{where}.ttt_decay={self.ttt_decay} must be in (0, 1].")
+        self._validate_async(where)
+
+    def _validate_async(self, where: str) -> None:
+        """The fields of asynchronous RL: the lag, and a rollout mesh of fixed sizes."""
         if self.max_lag < 0:
             raise ConfigError(
                 f"{where}.max_lag={self.max_lag} must be >= 0: 0 is synchronous RL, k >= 1 lets "
                 "the rollouts run on weights up to k steps older than the trainer's."
+            )
+        if self.max_lag and self.rollout_mesh is None:
+            raise ConfigError(
+                f"{where}.max_lag={self.max_lag} needs {where}.rollout_mesh: rollouts run ahead of "
+                "the trainer on devices of their own (e.g. rl.rollout_mesh.data=4 gives the last 4 "
+                f"devices to the sampler); set it, or {where}.max_lag=0 for synchronous RL."
             )
         for axis, size in dataclasses.asdict(self.rollout_mesh or MeshConfig(data=1)).items():
             if size < 1:

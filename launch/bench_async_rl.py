@@ -10,9 +10,10 @@ Runs launch/train_rl.py once per draft (co-trained, none) and mode:
     async       rl.max_lag=1, the same split: the rollouts of step n + 1 run while step n trains
 and reports medians over the steps after the first --skip (compilation): step time, tokens/s
 (response tokens of a step over its wall time), rollout, train and weight-transfer time, mean
-accepted length. The policy is the 1.2B one of BENCHMARKS.md's RL step-time table (random init,
-two warm-start steps), so acceptance says nothing about a trained policy. Prints a Markdown table
-and writes JSON (--out).
+accepted length. Compiled programs go to train_rl's persistent cache (runs/.jax_cache), which
+sync-split and async share; a second invocation compiles nothing. The policy is the 1.2B one of
+BENCHMARKS.md's RL step-time table (random init, two warm-start steps), so acceptance says
+nothing about a trained policy. Prints a Markdown table and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. rl.prompts=16")
     p.add_argument("--small", action="store_true", help="the test-size model instead of 1.2B")
-    p.add_argument("--steps", type=int, default=10, help="RL steps per run")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
     p.add_argument("--skip", type=int, default=2, help="first steps left out (compilation)")
     p.add_argument("--drafts", default="cotrain,none", help="comma-separated --draft modes")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES)
+    )
     p.add_argument("--out", default="runs/bench_async_rl.json")
     return p.parse_intermixed_args(argv)
 
@@ -64,8 +68,7 @@ def measure(overrides: list[str], draft: str, mode: str, args, work: pathlib.Pat
     """Medians of one train_rl run's steps after the first `args.skip`."""
     run_dir = work / f"{draft}-{mode}"
     every = [*overrides, *MODES[mode], f"rl.steps={args.steps}"]
-    train_rl.main([*every, "--draft", draft, "--run-dir", str(run_dir), "--quiet",
-                   "--compilation-cache", ""])  # fmt: skip
+    train_rl.main([*every, "--draft", draft, "--run-dir", str(run_dir), "--quiet"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = rows[args.skip :]
     batch = config_lib.load("demo", every).rl.batch
@@ -106,7 +109,7 @@ def main(argv=None) -> list[dict]:
         results = [
             measure(overrides, draft, mode, args, pathlib.Path(work))
             for draft in args.drafts.split(",")
-            for mode in MODES
+            for mode in args.modes.split(",")
         ]
     print(f"{jax.devices()[0].device_kind} x 2, overrides: {' '.join(overrides)}")
     print(table(results))

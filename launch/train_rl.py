@@ -32,6 +32,7 @@ import json
 import pathlib
 import sys
 import time
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import jax
@@ -169,7 +170,7 @@ class InFlight(NamedTuple):
     group: list[tasks.Problem]
     prompts: np.ndarray
     prompt_lengths: np.ndarray
-    out: Rollout  # device arrays, maybe not computed yet
+    out: Future[Rollout]  # dispatched from the sampler's thread
     start: float
 
 
@@ -186,7 +187,7 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
 
 def finish_rollout(run: Run, job: InFlight):
     """Waits for the rollouts of `job`, scores them; the packed batch and the step's metrics."""
-    rl, out = run.rl, job.out
+    rl, out = run.rl, job.out.result()
     tokens, lengths, logprobs = (np.asarray(x) for x in (out.tokens, out.lengths, out.logprobs))
     seconds = time.perf_counter() - job.start
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
@@ -260,9 +261,9 @@ def start_or_resume(run: Run, checkpoints: Checkpoints, log):
 def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, quiet: bool):
     """The RL loop, synchronous or asynchronous. The rollouts of step s are generated with the
     weights of step max(s - rl.max_lag, first step); those of the steps ahead are dispatched
-    before this step's train step, so on a rollout mesh of their own they run while it trains
-    (JAX dispatches both and nothing waits in between). After each train step its policy and draft
-    weights go to the sampler. rl.max_lag=0 is the synchronous loop."""
+    before this step's train step (from the sampler's thread), so on the rollout mesh they run
+    while it trains: nothing waits for them until their own step. After each train step its policy
+    and draft weights go to the sampler. rl.max_lag=0 is the synchronous loop."""
     rl = run.rl
     sampler = Sampler(run.sampler_networks, run.networks)
     sampler.load(state, steps.start)
@@ -286,6 +287,7 @@ def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, q
         )
         if rl.save_every and (step + 1) % rl.save_every == 0 or step + 1 == steps.stop:
             checkpoints.save(step + 1, state)
+    sampler.close()
 
 
 def main(argv=None) -> pathlib.Path:

@@ -134,6 +134,7 @@ def test_weights_move_device_to_device(src, dst):
     "overrides, message",
     [
         (["rl.max_lag=-1"], r"rl.max_lag=-1 must be >= 0: 0 is synchronous"),
+        (["rl.max_lag=1"], r"rl.max_lag=1 needs rl.rollout_mesh: rollouts run ahead"),
         (["rl.rollout_mesh.data=-1"], r"rl.rollout_mesh.data=-1: the rollout mesh takes a fixed"),
         (["rl.rollout_mesh.data=8"], r"takes 8 devices, but only 8 are present, leaving none"),
         (["rl.rollout_mesh.data=3"], r"training mesh's 5 devices and rl.rollout_mesh's 3: one"),

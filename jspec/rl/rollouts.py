@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -104,6 +105,7 @@ class Sampler:
         self.replicated = NamedSharding(networks.mesh, PartitionSpec())
         self.params, self.rng, self.version = None, None, None
         self._mover = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
 
     def load(self, state: TrainState, version: int) -> float:
         """Takes the parameters of `state` (after `version` train steps); the seconds their move
@@ -127,12 +129,18 @@ class Sampler:
 
     def generate(
         self, prompts: np.ndarray, prompt_lengths: np.ndarray, step: int, config: RolloutConfig
-    ) -> Rollout:
-        """Dispatches the rollouts of RL step `step` with the weights held now (returns before
-        they are computed). The key depends on the step alone, whatever the weights' version.
-        The prompts go straight to the rollout mesh (the lengths, checked on the host first, go
-        there as `jit` places them), never by way of a training device."""
+    ) -> Future[Rollout]:
+        """Dispatches the rollouts of RL step `step` with the weights held now; returns before
+        they are computed. The key depends on the step alone, whatever the weights' version.
+
+        The call runs in the sampler's own thread: a single-device program runs in the thread
+        that calls it, and on a GPU the rollout's `while_loop` reads its condition back to the
+        host at every step, so from the loop's thread it would hold the train step back until the
+        rollout ends. The prompts go straight to the rollout mesh, never by a training device."""
         policy, draft = self.networks.models(self.params)
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), step)
         prompts = jax.device_put(prompts, self.replicated)
-        return generate(policy, draft, prompts, prompt_lengths, key, config)
+        return self._thread.submit(generate, policy, draft, prompts, prompt_lengths, key, config)
+
+    def close(self) -> None:
+        self._thread.shutdown()

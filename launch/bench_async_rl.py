@@ -9,11 +9,12 @@ Runs launch/train_rl.py once per draft (co-trained, none) and mode:
     sync-split  rl.max_lag=0, one rollout device and one training device: the split, no overlap
     async       rl.max_lag=1, the same split: the rollouts of step n + 1 run while step n trains
 and reports medians over the steps after the first --skip (compilation): step time, tokens/s
-(response tokens of a step over its wall time), rollout, train and weight-transfer time, mean
-accepted length. Compiled programs go to train_rl's persistent cache (runs/.jax_cache), which
-sync-split and async share; a second invocation compiles nothing. The policy is the 1.2B one of
-BENCHMARKS.md's RL step-time table (random init, two warm-start steps), so acceptance says
-nothing about a trained policy. Prints a Markdown table and writes JSON (--out).
+(response tokens of a step over its wall time), rollout time (from dispatch to the tokens on the
+host: in async mode the wait behind the previous rollout included), train and weight-transfer
+time, mean accepted length. Compiled programs go to train_rl's persistent cache
+(runs/.jax_cache), which sync-split and async share; a second invocation compiles nothing. The
+policy is the 1.2B one of BENCHMARKS.md's RL step-time table (random init, two warm-start steps),
+so acceptance says nothing about a trained policy. Prints a Markdown table and writes JSON (--out).
 """
 
 from __future__ import annotations

@@ -84,7 +84,15 @@ def _grouped_bwd(kernels, residuals, dy):
     dy = _in_runs(dy, sizes).astype(x.dtype)
     dx = _in_runs(kernels.ragged(dy, w, sizes, transpose_rhs=True), sizes)
     dw = kernels.transposed(x, dy, sizes).astype(w.dtype)
-    return dx, dw, None
+    return _varying_like(dx, x), _varying_like(dw, w), None
+
+
+def _varying_like(x: Array, like: Array) -> Array:
+    """x varying over the manual mesh axes `like` varies over: inside `shard_map` a kernel's
+    output varies over none, and a custom VJP's gradients must have their inputs' types."""
+    vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())  # noqa: E731 (jax >= 0.11)
+    missing = tuple(sorted(vma(like) - vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -69,33 +69,38 @@ def _in_runs(x: Array, sizes: Array) -> Array:
     return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None], x, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, sizes, kernels: Kernels):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, sizes, kernels: Kernels, varying: tuple[tuple[str, ...], tuple[str, ...]]):
     return _in_runs(kernels.ragged(_in_runs(x, sizes), w, sizes), sizes)
 
 
-def _grouped_fwd(x, w, sizes, kernels):
+def _grouped_fwd(x, w, sizes, kernels, varying):
     x = _in_runs(x, sizes)
     return _in_runs(kernels.ragged(x, w, sizes), sizes), (x, w, sizes)
 
 
-def _grouped_bwd(kernels, residuals, dy):
+def _grouped_bwd(kernels, varying, residuals, dy):
     x, w, sizes = residuals
     dy = _in_runs(dy, sizes).astype(x.dtype)
     dx = _in_runs(kernels.ragged(dy, w, sizes, transpose_rhs=True), sizes)
     dw = kernels.transposed(x, dy, sizes).astype(w.dtype)
-    return _varying_like(dx, x), _varying_like(dw, w), None
-
-
-def _varying_like(x: Array, like: Array) -> Array:
-    """x varying over the manual mesh axes `like` varies over: inside `shard_map` a kernel's
-    output varies over none, and a custom VJP's gradients must have their inputs' types."""
-    vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())  # noqa: E731 (jax >= 0.11)
-    missing = tuple(sorted(vma(like) - vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return _varying(dx, varying[0]), _varying(dw, varying[1]), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _manual_axes(x: Array) -> tuple[str, ...]:
+    """The manual mesh axes x varies over inside `shard_map` (none outside; jax >= 0.11)."""
+    return tuple(sorted(getattr(jax.typeof(x), "vma", ())))
+
+
+def _varying(x: Array, axes: tuple[str, ...]) -> Array:
+    """x varying over `axes`: inside `shard_map` a kernel's output varies over none, and a custom
+    VJP's gradients must have the types of its inputs (read from the primal inputs, as static
+    arguments: on jax 0.11.2 the GPU run failed when they were read from the residuals)."""
+    missing = tuple(a for a in axes if a not in _manual_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def use_mosaic(x: Array, w: Array) -> bool:
@@ -119,4 +124,5 @@ def grouped_matmul(
     `lax.ragged_dot` (with its own autodiff); `LAX` runs the custom VJP on `lax` products."""
     if kernels is None and not use_mosaic(x_AK, w_GKN):
         return jax.lax.ragged_dot(x_AK, w_GKN, group_sizes)
-    return _grouped(x_AK, w_GKN, group_sizes, kernels or MOSAIC)
+    varying = (_manual_axes(x_AK), _manual_axes(w_GKN))
+    return _grouped(x_AK, w_GKN, group_sizes, kernels or MOSAIC, varying)

@@ -11,7 +11,6 @@ import functools
 import json
 import pathlib
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +19,13 @@ from helpers import close, count_dots, random_rollouts
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
+from jspec.launch import train_rl
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl import packing
 from jspec.rl.draft_loss import draft_loss, draft_passes
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_loss, make_train_step
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "launch"))
-import train_rl  # noqa: E402
 
 MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -134,7 +131,7 @@ def test_draft_adds_only_its_own_dot_operations():
 
 
 # ---------------------------------------------------------------------------------------------
-# The demo loop (launch/train_rl.py) at test size.
+# The demo loop (jspec/launch/train_rl.py) at test size.
 
 LOOP = [
     "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",

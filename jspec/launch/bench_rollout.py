@@ -1,8 +1,8 @@
 """Rollout speed: plain decoding through `jspec.sampler.generate`, and the cost of verifying a draft
 tree against one decode step, per batch size, and the cost of a whole speculative step.
 
-    python launch/bench_rollout.py --config qwen3-8b --batches 1 16 64      # on a GPU
-    python launch/bench_rollout.py --device cpu --config tiny --batches 2   # a smoke test
+    python -m jspec.launch.bench_rollout --config qwen3-8b --batches 1 16 64      # on a GPU
+    python -m jspec.launch.bench_rollout --device cpu --config tiny --batches 2   # a smoke test
 
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the

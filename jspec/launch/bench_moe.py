@@ -1,7 +1,7 @@
 """Benchmark of one mixture-of-experts decoder layer against a dense layer of the same active size.
 
-    python launch/bench_moe.py --device cpu                  # tiny shapes, 8 virtual CPU devices
-    python launch/bench_moe.py --device gpu                  # Qwen3-30B-A3B layer; --ep 1 2 on two
+    python -m jspec.launch.bench_moe --device cpu      # tiny shapes, 8 virtual CPU devices
+    python -m jspec.launch.bench_moe --device gpu      # Qwen3-30B-A3B layer; --ep 1 2 on two
 
 One decoder layer (`jspec.models.transformer.Block`: attention and MLP, as the model runs it) of
 `--config` (default: Qwen3-30B-A3B on gpu, the tiny test model with 8 experts on cpu), and the same

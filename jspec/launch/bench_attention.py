@@ -1,8 +1,8 @@
 """Benchmark of jspec.attention: time and memory of context parallelism, ring vs all-gather.
 
-    python launch/bench_attention.py --device cpu                       # 8 virtual CPU devices
-    python launch/bench_attention.py --device gpu --cp 2 --seq 262144 --heads 32 --kv-heads 8 \
-        --head-dim 128 --dtype bfloat16 --branch-steps 6 --layers 1 4
+    python -m jspec.launch.bench_attention --device cpu               # 8 virtual CPU devices
+    python -m jspec.launch.bench_attention --device gpu --cp 2 --seq 262144 --heads 32 \
+        --kv-heads 8 --head-dim 128 --dtype bfloat16 --branch-steps 6 --layers 1 4
 
 For each method (the zigzag ring; the all-gather baseline, which gathers K/V over the context axis
 and attends with the same local kernel, autodiff saving what it saves), each cp and each stack depth

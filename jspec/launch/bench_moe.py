@@ -42,8 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel sizes")
     p.add_argument("--ragged-dot", choices=("xla", "pallas"), default="xla",
                    help="GPU lowering of jax.lax.ragged_dot")  # fmt: skip
-    p.add_argument("--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (GPU.md)")
-    p.add_argument("--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (GPU.md)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (docs/gpu.md)"
+    )
+    p.add_argument(
+        "--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (docs/gpu.md)"
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default="bench_moe.json")
     args = p.parse_args(argv)

@@ -118,6 +118,12 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
             "size: pass --mesh data=..,stage=..,context=..,tensor=.. ."
         )
     seq_len = args.seq_len or cfg.model.max_seq_len
+    if seq_len <= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"--seq-len={seq_len} leaves no prompt before rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}; the rollout plans prompts of seq_len - max_new_tokens "
+            "tokens: raise --seq-len or lower rollout.max_new_tokens."
+        )
     model = dataclasses.replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))
     return dataclasses.replace(cfg, mesh=mesh, model=model).validate(), seq_len
 
@@ -227,11 +233,6 @@ def plan(cfg: config_lib.Config, seq_len: int, rows: int | None = None,
     rows = rows or sizes["data"]
     train, state, _ = train_step(cfg, networks, params, seq_len, rows)
     new_tokens = cfg.rollout.max_new_tokens
-    if seq_len <= new_tokens:
-        raise ConfigError(
-            f"--seq-len={seq_len} leaves no prompt before rollout.max_new_tokens={new_tokens}; "
-            "the rollout plans prompts of seq_len - max_new_tokens tokens."
-        )
     decode = rollout_batch or sizes["data"] * sizes["context"]
     roll = rollout_step(cfg, networks, params, seq_len - new_tokens, decode)
     return Plan(_bytes(state.params), _bytes(state.opt_state), Figures.of(train), Figures.of(roll))

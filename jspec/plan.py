@@ -238,11 +238,16 @@ def plan(cfg: config_lib.Config, seq_len: int, rows: int | None = None,
     return Plan(_bytes(state.params), _bytes(state.opt_state), Figures.of(train), Figures.of(roll))
 
 
+def _size(nbytes: int) -> str:
+    """GB for real models, MB for the small ones of tests and notebooks."""
+    return f"{nbytes / GB:>9.2f} GB" if nbytes >= GB / 10 else f"{nbytes / 1e6:>9.2f} MB"
+
+
 def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> str:
     sizes = dataclasses.asdict(cfg.mesh)
     mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
     verdict = lambda peak: "fits" if peak <= memory_gb * GB else "DOES NOT FIT"
-    line = lambda name, value, note="": f"  {name:<38}{value / GB:>9.2f} GB  {note}".rstrip()
+    line = lambda name, value, note="": f"  {name:<38}{_size(value)}  {note}".rstrip()
     flops = lambda f: f"  {'TFLOP per device':<38}{f / 1e12:>9.1f}"
     t, r = p.train, p.rollout
     return "\n".join([

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# Named configs ship inside the package (package data), so `load("demo")` works when installed.
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -623,7 +624,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def resolve_path(name_or_path: str | pathlib.Path) -> pathlib.Path:
-    """A config name (`tiny`) found in `configs/`, or a path to a YAML file."""
+    """A config name (`tiny`) shipped in `jspec/configs/`, or a path to a YAML file."""
     path = pathlib.Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = CONFIG_DIR / f"{name_or_path}.yaml"

@@ -3,7 +3,6 @@ RL demo loop at test size."""
 
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,7 @@ import optax
 from flax import nnx
 from jax.scipy.special import gammaincc
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "launch"))
-import train_rl  # noqa: E402
+from jspec.launch import train_rl
 
 
 def close(got, want, rtol=1e-5):
@@ -114,7 +112,7 @@ def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int 
     return prompts, prompt_lengths, responses, response_lengths, logprobs, advantages
 
 
-# The RL demo loop (launch/train_rl.py) at test size.
+# The RL demo loop (jspec/launch/train_rl.py) at test size.
 
 LOOP = [
     "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",

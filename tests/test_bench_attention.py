@@ -1,13 +1,9 @@
-"""launch/bench_attention.py's packer: one document-length distribution for a whole scaling series,
-so rows of different lengths (and every cp) do the same attention work per token."""
-
-import pathlib
-import sys
+"""The packer of jspec.launch.bench_attention: one document-length distribution for a whole
+scaling series, so rows of different lengths (and every cp) do the same attention work per token."""
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "launch"))
-from bench_attention import ALIGN, packed_rows  # noqa: E402
+from jspec.launch.bench_attention import ALIGN, packed_rows
 
 
 def _documents(seg, pos):

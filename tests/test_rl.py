@@ -13,10 +13,11 @@ import shutil
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import COMPARED, LOOP, close, count_dots, loop, random_rollouts, train_rl
+from helpers import COMPARED, LOOP, close, count_dots, loop, random_rollouts
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
+from jspec.launch import train_rl
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl import packing
@@ -128,7 +129,7 @@ def test_draft_adds_only_its_own_dot_operations():
 
 
 # ---------------------------------------------------------------------------------------------
-# The demo loop (launch/train_rl.py) at test size.
+# The demo loop (jspec/launch/train_rl.py) at test size.
 
 
 @pytest.fixture(scope="module")

@@ -80,8 +80,11 @@ def zigzag_unshard(x: Array, segment_ids: Int[Array, "b t"] | None, cp: int) -> 
 
 
 def concrete(*xs) -> bool:
-    """Whether every array is a value (not abstract under `jit`), so checks can read it."""
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+    """Whether every array is a value this process can read, so checks can read it: not abstract
+    under `jit`, and not spread over other hosts' devices (a multi-process global array)."""
+    return not any(
+        isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True) for x in xs
+    )
 
 
 def _misaligned(length: Int[Array, "b t"], cp: int) -> Bool[Array, " b"]:

@@ -7,7 +7,7 @@ One layer body (`Block.__call__`) serves every use; what differs is how it is dr
   the ring and attention is `jspec.attention`'s ring (documents padded to 2 * cp);
 - rollout (`prefill`, `decode`, `branch_forward`): layers stepped through in a Python loop that
   indexes the stacked weights, because a scanned stack streams weights 1.7-2.5x slower in decode
-  (GPU.md).
+  (docs/gpu.md).
 
 Mixture of experts (`jspec.models.moe`): layers with the sparse MLP are stacked apart from those
 with the dense MLP (`layer_stacks`), as the two have different weights; training scans each run of
@@ -43,7 +43,7 @@ from jspec.config import ConfigError, ModelConfig
 from jspec.models.moe import MoE, load_balancing_loss
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
-# serves as extra data parallelism: DESIGN.md).
+# serves as extra data parallelism: docs/architecture.md).
 TRAIN_ACT = ("batch", "seq")
 ROLLOUT_ACT = ("decode_batch", None)
 

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jspec import hosts
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, RolloutConfig
 from jspec.rl.state import Networks, TrainState
@@ -102,7 +103,7 @@ class Sampler:
         self.networks = networks
         self.moves = networks.mesh is not trainer.mesh
         self.trainer = trainer
-        self.replicated = NamedSharding(networks.mesh, PartitionSpec())
+        self.rows = NamedSharding(networks.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
         self.params, self.rng, self.version = None, None, None
         self._mover = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
@@ -128,7 +129,12 @@ class Sampler:
         return time.perf_counter() - start
 
     def generate(
-        self, prompts: np.ndarray, prompt_lengths: np.ndarray, step: int, config: RolloutConfig
+        self,
+        prompts: np.ndarray,
+        prompt_lengths: np.ndarray,
+        batch: int,
+        step: int,
+        config: RolloutConfig,
     ) -> Future[Rollout]:
         """Dispatches the rollouts of RL step `step` with the weights held now; returns before
         they are computed. The key depends on the step alone, whatever the weights' version.
@@ -136,10 +142,12 @@ class Sampler:
         The call runs in the sampler's own thread: a single-device program runs in the thread
         that calls it, and on a GPU the rollout's `while_loop` reads its condition back to the
         host at every step, so from the loop's thread it would hold the train step back until the
-        rollout ends. The prompts go straight to the rollout mesh, never by a training device."""
+        rollout ends. The prompts go straight to the rollout mesh, never by a training device:
+        this process's rows (`jspec.hosts`) of a batch of `batch`."""
         policy, draft = self.networks.models(self.params)
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), step)
-        prompts = jax.device_put(prompts, self.replicated)
+        put = lambda x: hosts.global_array(self.rows, x, batch)  # noqa: E731
+        prompts, prompt_lengths = put(prompts), put(prompt_lengths)
         return self._thread.submit(generate, policy, draft, prompts, prompt_lengths, key, config)
 
     def close(self) -> None:

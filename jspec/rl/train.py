@@ -79,7 +79,8 @@ def make_train_step(
     num_sequences: int,
 ):
     """A jitted `step(state, batch) -> (state, metrics)`: `make_loss`'s gradients, one update of
-    the groups `trained` by `tx` ('policy', and 'draft' when co-trained)."""
+    the groups `trained` by `tx` ('policy', and 'draft' when co-trained). `step.lower(state,
+    batch)` lowers it ahead of time (abstract arrays are enough: `jspec.plan`)."""
     losses = make_loss(networks, rl, rollout, objective=objective, num_sequences=num_sequences)
 
     def step(state: TrainState, batch: PackedBatch):
@@ -97,13 +98,18 @@ def make_train_step(
 
     compiled = {}
 
+    def jitted(state: TrainState):
+        keep = None if networks.mesh is None else placement(state, networks.mesh)
+        return jax.jit(step, out_shardings=(keep, None), donate_argnums=0)
+
     def run(state: TrainState, batch: PackedBatch):
         """The jitted step; the state leaves it placed as it came (one compilation per run)."""
         if "step" not in compiled:
-            keep = None if networks.mesh is None else placement(state, networks.mesh)
-            compiled["step"] = jax.jit(step, out_shardings=(keep, None), donate_argnums=0)
+            compiled["step"] = jitted(state)
         return compiled["step"](state, batch)
 
+    # Ahead of time, from abstract arrays with shardings (jspec.plan): run.lower(state, batch).
+    run.lower = lambda state, batch: jitted(state).lower(state, batch)
     return run
 
 

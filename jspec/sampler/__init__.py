@@ -1,7 +1,7 @@
 """The jitted speculative sampler: the sampling transform, draft trees, lossless verification,
 and `generate`.
 
-`jspec.sampler.verify` is the contract's function (DESIGN.md); it lives in
+`jspec.sampler.verify` is the contract's function (docs/sampler.md); it lives in
 `jspec.sampler.acceptance`, and `generate` in `jspec.sampler.decoding`: the modules to patch in
 tests.
 """

@@ -1,4 +1,5 @@
-"""Lossless verification of a draft tree: a pure function over logits (DESIGN.md, the contract).
+"""Lossless verification of a draft tree: a pure function over logits (the contract:
+docs/sampler.md).
 
 The walk. Nodes are topologically ordered (a parent precedes its children), so one pass over the
 node indices visits every candidate in the right order: starting at the root, the node in hand is
@@ -200,7 +201,7 @@ def verify(
     The accepted tokens followed by `next_token` are distributed exactly as tokens drawn one at a
     time from the target's sampling distribution. Arguments are checked here, before compilation:
     shapes always, parent indices and tokens when they are concrete values; the sampling parameters
-    are static. `top_k` extends the contract of DESIGN.md so that verification can match plain
+    are static. `top_k` extends the contract of docs/sampler.md so that verification can match plain
     sampling that uses top-k.
     """
     check_sampling_args(temperature, top_p, top_k)

@@ -3,8 +3,8 @@
 Plain sampling, the draft before it draws, and `jspec.sampler.verify` on the target's logits all
 call `sampling_probs`, so the distribution that verification preserves is, by construction, the one
 plain sampling would have drawn from. Serving engines that apply the sampling parameters in two
-places have shipped drift between them (REFERENCES.md, "Verification that keeps the target's
-distribution"); one function removes that failure mode.
+places have shipped drift between them (docs/sampler.md, "Why one sampling transform"); one
+function removes that failure mode.
 """
 
 import numbers

@@ -1,10 +1,10 @@
 """RL with speculative rollouts and an online co-trained draft: SFT warm start, then GRPO.
 
-    python launch/train_rl.py                                  # configs/demo.yaml, co-trained
-    python launch/train_rl.py --draft frozen                   # the draft stops learning after SFT
-    python launch/train_rl.py --draft none                     # plain decoding, no draft
-    python launch/train_rl.py rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
-    python launch/train_rl.py rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4 devices
+    python -m jspec.launch.train_rl                      # jspec/configs/demo.yaml, co-trained
+    python -m jspec.launch.train_rl --draft frozen       # the draft stops learning after SFT
+    python -m jspec.launch.train_rl --draft none         # plain decoding, no draft
+    python -m jspec.launch.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
+    python -m jspec.launch.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
 
 The warm start trains the policy on the task's worked answers and the draft on the policy's own
 features (the same train step, a supervised objective), so RL starts from a policy that sometimes
@@ -17,12 +17,16 @@ rl.max_lag = k >= 1 the rollouts of step n + 1 run while step n trains, on weigh
 (the loss's importance ratio uses the log-probabilities recorded under them), and the new policy and
 draft weights move to the sampler after each train step, device to device.
 
-Writes to --run-dir (default runs/<config>-<draft>): metrics.jsonl (one line per RL step: reward,
-losses, draft agreement, mean accepted length, rollout tokens/s, rollout / train / weight
-transfer / step time, the lag of the batch's weights in steps),
-TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every
-rl.save_every steps, with the config beside). Run again to resume from the latest checkpoint.
-`launch/plot_runs.py` draws several runs' metrics.
+On many hosts (`jspec-launch train_rl ...`, jspec.launch.distributed) each process builds, samples
+and scores only the rows its devices hold (`jspec.hosts`); process 0 writes metrics and logs, and
+every process takes part in each orbax checkpoint (the run directory must be shared).
+
+Writes to --run-dir (default runs/<config>-<draft> in the working directory): metrics.jsonl (one
+line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s,
+rollout / train / weight transfer / step time, the lag of the batch's weights in steps),
+TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
+steps, with the config beside). Run again to resume from the latest checkpoint.
+`jspec/launch/plot_runs.py` draws several runs' metrics.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ from concurrent.futures import Future
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jspec import config as config_lib
+from jspec import hosts
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
 from jspec.models import create
@@ -52,20 +56,18 @@ from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.steps=60")
-    p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
+    p.add_argument("--config", default="demo", help="config name in jspec/configs/ or a YAML path")
     p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many RL steps")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--compilation-cache",
-        default=str(ROOT / "runs" / ".jax_cache"),
+        default=str(pathlib.Path("runs") / ".jax_cache"),
         help="persistent XLA compilation cache: a resumed run does not compile again ('' off)",
     )
     return p.parse_intermixed_args(argv)
@@ -82,6 +84,11 @@ class Run:
             )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
         self.rl.check_rollout(cfg.rollout)
+        if self.rl.rollout_mesh is not None and jax.process_count() > 1:
+            raise ConfigError(
+                "rl.rollout_mesh (asynchronous RL) runs in one process for now; on several hosts "
+                "leave it unset (synchronous RL on the whole mesh)."
+            )
         self.mesh, self.rollout_mesh = rollouts.split_meshes(cfg.mesh, self.rl.rollout_mesh)
         rollout_sizes = None if self.rollout_mesh is None else dict(self.rollout_mesh.shape)
         self.rl.check_mesh(dict(self.mesh.shape), rollout_sizes)
@@ -98,6 +105,7 @@ class Run:
         if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later
             self.sampler_networks = self._build(self.rollout_mesh)[0]
         self.rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["batch"]))
+        self.decode_rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
         self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
 
     def _build(self, mesh) -> tuple[Networks, dict]:
@@ -125,8 +133,33 @@ class Run:
                 f"{answer_width + 1}."
             )
 
-    def put(self, batch: packing.PackedBatch) -> packing.PackedBatch:
-        return jax.device_put(jax.tree.map(jnp.asarray, batch), self.rows)
+    def sequences(self, count: int) -> slice:
+        """This process's sequences of a batch of `count`: those of its packed training rows,
+        which must also be the rows of its rollouts (process-major mesh)."""
+        per_row = self.rl.sequences_per_row
+        rows = hosts.local_rows(self.rows, count // per_row)
+        mine = slice(rows.start * per_row, rows.stop * per_row)
+        whole_groups = mine.start % self.rl.group_size == 0 == mine.stop % self.rl.group_size
+        if count == self.rl.batch and not whole_groups:
+            raise ConfigError(
+                f"process {jax.process_index()} holds sequences {mine} of the RL batch, which "
+                f"cut a group of rl.group_size={self.rl.group_size}; make the batch's share of "
+                "each host (rl.batch / processes) a multiple of rl.group_size."
+            )
+        if count == self.rl.batch and hosts.local_rows(self.decode_rows, count) != mine:
+            raise ConfigError(
+                f"process {jax.process_index()} samples rows "
+                f"{hosts.local_rows(self.decode_rows, count)} but trains on sequences {mine}; "
+                "give every host whole training rows: make the mesh's data axis a multiple of "
+                "the number of processes."
+            )
+        return mine
+
+    def put(self, local: packing.PackedBatch, first: int, count: int) -> packing.PackedBatch:
+        """The global packed batch of `count` sequences from this process's rows of it, whose
+        first sequence is `first` (sequence indices made global)."""
+        local = local._replace(sequence=np.where(local.sequence >= 0, local.sequence + first, -1))
+        return hosts.global_tree(self.rows, local, count // self.rl.sequences_per_row)
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
@@ -147,15 +180,16 @@ def warm_start(run: Run, log) -> dict:
     )
     width = cfg.rollout.max_new_tokens
     start = time.perf_counter()
+    mine = run.sequences(rl.sft_batch)
     for i in range(rl.sft_steps):
-        batch = tasks.problems(rl.task, 0, rl.sft_batch, cfg.seed, stream=1 + i)
+        batch = tasks.problems(rl.task, 0, rl.sft_batch, cfg.seed, stream=1 + i)[mine]
         prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, batch, run.prompt_width)
         answers, answer_lengths = tasks.encode_answers(run.tokenizer, batch, width)
         packed = packing.pack(
             prompts, prompt_lengths, answers, answer_lengths, per_row=rl.sequences_per_row,
             align=run.align,
         )  # fmt: skip
-        state, metrics = step(state, run.put(packed))
+        state, metrics = step(state, run.put(packed, mine.start, rl.sft_batch))
         if i % 25 == 0 or i == rl.sft_steps - 1:
             values = ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
             log(f"warm start {i}: {values} ({time.perf_counter() - start:.0f} s)")
@@ -163,10 +197,12 @@ def warm_start(run: Run, log) -> dict:
 
 
 class InFlight(NamedTuple):
-    """Rollouts dispatched for RL step `step` with weights of `version` train steps."""
+    """Rollouts dispatched for RL step `step` with weights of `version` train steps; `rows`: this
+    process's sequences of the batch."""
 
     step: int
     version: int
+    rows: slice
     group: list[tasks.Problem]
     prompts: np.ndarray
     prompt_lengths: np.ndarray
@@ -175,20 +211,23 @@ class InFlight(NamedTuple):
 
 
 def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
-    """Draws the prompts of `step` and dispatches a group of sampled responses to each."""
+    """Draws the prompts of `step` and dispatches a group of sampled responses to each. Each
+    process encodes (and later scores and packs) its own rows only: whole groups."""
     rl = run.rl
+    mine = run.sequences(rl.batch)
     problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
-    group = [p for p in problems for _ in range(rl.group_size)]
+    group = [p for p in problems for _ in range(rl.group_size)][mine]
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
     start = time.perf_counter()
-    out = sampler.generate(prompts, prompt_lengths, step, run.cfg.rollout)
-    return InFlight(step, sampler.version, group, prompts, prompt_lengths, out, start)
+    out = sampler.generate(prompts, prompt_lengths, rl.batch, step, run.cfg.rollout)
+    return InFlight(step, sampler.version, mine, group, prompts, prompt_lengths, out, start)
 
 
 def finish_rollout(run: Run, job: InFlight):
-    """Waits for the rollouts of `job`, scores them; the packed batch and the step's metrics."""
-    rl, out = run.rl, job.out.result()
-    tokens, lengths, logprobs = (np.asarray(x) for x in (out.tokens, out.lengths, out.logprobs))
+    """Waits for the rollouts of `job`, scores them; the packed batch and the step's metrics (over
+    the whole batch)."""
+    rl, out, mine = run.rl, job.out.result(), job.rows
+    tokens, lengths, logprobs = (hosts.host_rows(x, mine) for x in out[:3])
     seconds = time.perf_counter() - job.start
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
     rewards = np.asarray([tasks.reward(p, r) for p, r in zip(job.group, responses, strict=True)])
@@ -198,16 +237,18 @@ def finish_rollout(run: Run, job: InFlight):
         per_row=rl.sequences_per_row, align=run.align,
     )  # fmt: skip
     name, difficulty = tasks.task_at(rl.task, job.step)
+    stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
+    all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
     metrics = {
-        "reward": float(rewards.mean()),
-        "accepted_length": out.stats.mean_accepted_length() if run.mode != "none" else 1.0,
-        "response_length": float(lengths.mean()),
-        "rollout_tokens_per_s": float(lengths.sum()) / seconds,
+        "reward": float(all_rewards.mean()),
+        "accepted_length": stats.mean_accepted_length() if run.mode != "none" else 1.0,
+        "response_length": float(all_lengths.mean()),
+        "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,
         "lag": job.step - job.version,
         "task": f"{name}:{difficulty}",
     }
-    return run.put(packed), metrics
+    return run.put(packed, mine.start, rl.batch), metrics
 
 
 class Metrics:
@@ -281,7 +322,8 @@ def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, q
         metrics["transfer_time"] = sampler.load(state, step + 1)
         metrics.update({k: float(v) for k, v in jax.device_get(train_metrics).items()})
         metrics["step_time"] = time.perf_counter() - start
-        metrics_out.write(step, metrics)
+        if metrics_out is not None:
+            metrics_out.write(step, metrics)
         bar.set_postfix(
             reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
         )
@@ -296,19 +338,20 @@ def main(argv=None) -> pathlib.Path:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     cfg = config_lib.load(args.config, args.overrides)
-    run_dir = pathlib.Path(args.run_dir or ROOT / "runs" / f"{cfg.name}-{args.draft}")
+    run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft}")
     run = Run(cfg, args.draft)
-    log = (lambda msg: None) if args.quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
+    quiet = args.quiet or not hosts.is_main()  # one process speaks and writes metrics
+    log = (lambda msg: None) if quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
     saved_config = {**config_lib.to_dict(cfg), "draft_mode": args.draft}
     checkpoints = Checkpoints(run_dir / "checkpoints", saved_config, cfg.rl.keep_checkpoints)
     state, train_step = start_or_resume(run, checkpoints, log)
     first = int(state.step)
-    metrics_out = Metrics(run_dir, first)
+    metrics_out = Metrics(run_dir, first) if hosts.is_main() else None
     last = cfg.rl.steps if args.stop_after is None else min(cfg.rl.steps, first + args.stop_after)
-    train(run, state, train_step, range(first, last), checkpoints, metrics_out, args.quiet)
+    train(run, state, train_step, range(first, last), checkpoints, metrics_out, quiet)
     checkpoints.wait()
     checkpoints.close()
-    log(f"metrics: {metrics_out.path}")
+    log(f"metrics: {run_dir / 'metrics.jsonl'}")
     return run_dir
 
 

@@ -1,10 +1,10 @@
 """Asynchronous against synchronous RL on two devices: step time, tokens/s, weight transfer time.
 
-    PYTHONPATH=. python launch/bench_async_rl.py                  # 1.2B policy, two GPUs
+    python -m jspec.launch.bench_async_rl                         # 1.2B policy, two GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        PYTHONPATH=. python launch/bench_async_rl.py --small      # to try it on a CPU
+        python -m jspec.launch.bench_async_rl --small             # to try it on a CPU
 
-Runs launch/train_rl.py once per draft (co-trained, none) and mode:
+Runs jspec.launch.train_rl once per draft (co-trained, none) and mode:
     sync        rl.max_lag=0, rollouts and training both on the two devices (data parallel)
     sync-split  rl.max_lag=0, one rollout device and one training device: the split, no overlap
     async       rl.max_lag=1, the same split: the rollouts of step n + 1 run while step n trains
@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import train_rl  # noqa: E402
-
-from jspec import config as config_lib  # noqa: E402
+from jspec import config as config_lib
+from jspec.launch import train_rl
 
 MODES = {
     "sync": ["rl.max_lag=0"],

@@ -1,8 +1,8 @@
 """CPU demo: a small Qwen3-style model generates plainly and speculatively, and checks itself.
 
-    python launch/demo.py                       # configs/demo.yaml, random weights
-    python launch/demo.py --config tiny model.num_layers=12 rollout.max_new_tokens=64
-    python launch/demo.py --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint directory
+    python -m jspec.launch.demo                     # jspec/configs/demo.yaml, random weights
+    python -m jspec.launch.demo --config tiny model.num_layers=12 rollout.max_new_tokens=64
+    python -m jspec.launch.demo --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint
 
 Both runs are one jitted program each (`jspec.sampler.generate`): plain decoding, then speculative
 decoding with the draft and tree of the config's `rollout` section. With greedy decoding the two

@@ -1,7 +1,7 @@
 """Benchmark of jspec.attention: time and memory of context parallelism, ring vs all-gather.
 
-    python launch/bench_attention.py --device cpu --mean-doc 2048      # 8 virtual CPU devices
-    python launch/bench_attention.py --device gpu --cp 1 2 --scaling weak --seq 131072 \
+    python -m jspec.launch.bench_attention --device cpu --mean-doc 2048   # 8 virtual CPU devices
+    python -m jspec.launch.bench_attention --device gpu --cp 1 2 --scaling weak --seq 131072 \
         --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --branch-steps 6
 
 For each method (the zigzag ring; the all-gather baseline, which gathers K/V over the context axis

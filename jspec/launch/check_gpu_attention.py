@@ -1,7 +1,7 @@
 """The Pallas block kernel on one GPU: correctness against the reference, then speed.
 
-    PYTHONPATH=. python3 launch/check_gpu_attention.py            # everything, JSON to $OUT
-    PYTHONPATH=. python3 launch/check_gpu_attention.py --no-sweep --iters 3
+    python -m jspec.launch.check_gpu_attention            # everything, JSON to $OUT
+    python -m jspec.launch.check_gpu_attention --no-sweep --iters 3
 
 1. Correctness at small shapes (packed documents with padding, GQA, bf16 and float32): the
    kernel's output and gradients (through `attention(impl="pallas")`, and block-level `fwd`/`bwd`
@@ -52,6 +52,11 @@ def main(argv=None):  # noqa: C901 - one linear script
 
     path = args.json or os.path.join(os.environ.get("OUT", "."), "check_gpu_attention.json")
     dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        raise SystemExit(
+            f"check_gpu_attention needs an NVIDIA GPU, but JAX sees {dev.platform} "
+            f"({dev.device_kind}); run it on a GPU machine with jax[cuda] installed."
+        )
     report = {
         "args": vars(args),
         "jax": jax.__version__,

@@ -1,7 +1,7 @@
-"""Plots runs of launch/train_rl.py against step: mean accepted length, draft agreement, reward.
+"""Plots runs of jspec.launch.train_rl against step: mean accepted length, draft agreement, reward.
 
-    python launch/plot_runs.py runs/demo-cotrain runs/demo-frozen --out runs/compare.png
-    python launch/plot_runs.py runs/shift-*-seed* --out shift.png     # seeds of a run pooled
+    python -m jspec.launch.plot_runs runs/demo-cotrain runs/demo-frozen --out runs/compare.png
+    python -m jspec.launch.plot_runs runs/shift-*-seed* --out shift.png     # seeds of a run pooled
 
 Each run directory holds a metrics.jsonl. Runs whose names differ only by a trailing `-seed<N>`
 are drawn as one line (the mean over seeds) with a band from the lowest to the highest seed.

@@ -1,8 +1,8 @@
 """Rollout speed: plain decoding through `jspec.sampler.generate`, and the cost of verifying a draft
 tree against one decode step, per batch size, and the cost of a whole speculative step.
 
-    python launch/bench_rollout.py --config qwen3-8b --batches 1 16 64      # on a GPU
-    python launch/bench_rollout.py --device cpu --config tiny --batches 2   # a smoke test
+    python -m jspec.launch.bench_rollout --config qwen3-8b --batches 1 16 64      # on a GPU
+    python -m jspec.launch.bench_rollout --device cpu --config tiny --batches 2   # a smoke test
 
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the
@@ -14,7 +14,7 @@ memory floor of a decode step is (weights + KV cache read) / the copy bandwidth 
 updates) is timed the same way and reported in decode steps: the accepted length at which it
 breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
-draft written by `launch/train_code_lm.py`: then prompts are held-out source files, and each
+draft written by `jspec.launch.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding and the
 speedup the verify cost curve predicts. Prints a table and writes JSON.
 """
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--trained",
         metavar="RUN_DIR",
-        help="target, draft and held-out prompts written by launch/train_code_lm.py",
+        help="target, draft and held-out prompts written by jspec.launch.train_code_lm",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -307,7 +307,7 @@ def random_models(args):
 
 
 def trained(args):
-    """Target and draft of `launch/train_code_lm.py` in bfloat16, and prompts: the first
+    """Target and draft of `jspec.launch.train_code_lm` in bfloat16, and prompts: the first
     `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
     run = pathlib.Path(args.trained)
     target = hf.load(run / "target", dtype="bfloat16")

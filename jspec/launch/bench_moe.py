@@ -1,7 +1,7 @@
 """Benchmark of one mixture-of-experts decoder layer against a dense layer of the same active size.
 
-    python launch/bench_moe.py --device cpu                  # tiny shapes, 8 virtual CPU devices
-    python launch/bench_moe.py --device gpu                  # Qwen3-30B-A3B layer; --ep 1 2 on two
+    python -m jspec.launch.bench_moe --device cpu      # tiny shapes, 8 virtual CPU devices
+    python -m jspec.launch.bench_moe --device gpu      # Qwen3-30B-A3B layer; --ep 1 2 on two
 
 One decoder layer (`jspec.models.transformer.Block`: attention and MLP, as the model runs it) of
 `--config` (default: Qwen3-30B-A3B on gpu, the tiny test model with 8 experts on cpu), and the same
@@ -40,8 +40,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="train tokens per row")
     p.add_argument("--decode-batch", type=int, default=None, help="decode rows per device")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel sizes")
-    p.add_argument("--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (GPU.md)")
-    p.add_argument("--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (GPU.md)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (docs/gpu.md)"
+    )
+    p.add_argument(
+        "--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (docs/gpu.md)"
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default="bench_moe.json")
     args = p.parse_args(argv)

@@ -11,12 +11,12 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      loss of `jspec.rl.draft_loss` (the training-time test),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
-`launch/bench_rollout.py --trained RUN_DIR` then measures plain and speculative decoding on prompts
-from the held-out files.
+`python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
+decoding on prompts from the held-out files.
 
-    python launch/train_code_lm.py --run-dir runs/code-1b                   # on a GPU
-    python launch/train_code_lm.py --config tiny model.vocab_size=512 --steps 4 --draft-steps 2 \
-        --batch 2 --seq-len 128 --max-bytes 2000000 --run-dir /tmp/code     # a CPU smoke test
+    python -m jspec.launch.train_code_lm --run-dir runs/code-1b             # on a GPU
+    python -m jspec.launch.train_code_lm --config tiny model.vocab_size=512 --steps 4 \
+        --draft-steps 2 --batch 2 --seq-len 128 --max-bytes 2000000 --run-dir /tmp/code  # CPU
 """
 
 from __future__ import annotations

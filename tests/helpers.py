@@ -1,4 +1,7 @@
-"""Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts."""
+"""Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts, HLO
+collectives."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,12 @@ def close(got, want, rtol=1e-5):
     assert got.shape == want.shape, (got.shape, want.shape)
     err, scale = np.abs(got - want).max(), np.abs(want).max()
     assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
+
+
+def close_trees(got, want, rtol=1e-5):
+    """`close` leaf by leaf, for pytrees of one structure."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        close(a, b, rtol)
 
 
 def chi_square_p_value(codes, joint) -> float:
@@ -104,3 +113,16 @@ def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int 
     logprobs = -rng.random((rows, new)).astype(np.float32)
     advantages = rng.normal(size=rows).astype(np.float32)
     return prompts, prompt_lengths, responses, response_lengths, logprobs, advantages
+
+
+def collective_lines(hlo: str, op: str) -> list[str]:
+    """The `op` instructions ('collective-permute', 'all-gather', ...) of compiled HLO text, each
+    as '<result type> <source-target pairs or replica groups>', sorted (names, ids dropped)."""
+    out = []
+    for line in hlo.splitlines():
+        kind = re.search(rf"= (.*?) {op}(?:-start)?\(", line)
+        if kind is None:
+            continue
+        peers = re.search(r"(?:source_target_pairs|replica_groups)=([^ ]+?)(?:, |$)", line)
+        out.append(f"{kind.group(1)} {peers.group(1) if peers else ''}")
+    return sorted(out)

@@ -16,7 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import close, count_dots, random_rollouts
+from helpers import close, close_trees, count_dots, random_rollouts
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
@@ -94,9 +94,7 @@ def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp):
     (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1), loss_and_gradients(cp)
     close(dc, d1)
     close(pc, p1)
-    for name in ("policy", "draft"):
-        for a, b in zip(jax.tree.leaves(gc[name]), jax.tree.leaves(g1[name]), strict=True):
-            close(a, b)
+    close_trees(gc, g1)
 
 
 def test_draft_adds_only_its_own_dot_operations():

@@ -239,6 +239,15 @@ def swiglu(h_BTD, w_gate, w_up, w_down):
     return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
+def remat_layer(body, remat: str, static_argnums=()):
+    """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
+    'dots' also the weight matmuls, 'none' everything."""
+    if remat == "none":
+        return body
+    policy = None if remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=static_argnums)
+
+
 # ---------------------------------------------------------------------------------------------
 # The KV cache.
 
@@ -455,12 +464,12 @@ class Transformer(nnx.Module):
                 self.mesh, mesh_lib.RULES["seq"], batch_axis=mesh_lib.RULES["batch"],
                 head_axis=mesh_lib.RULES["act_heads"],
             )  # fmt: skip
-            attend = lambda q, k, v: ring(q, k, v, segment_ids, positions, None)[0]
+            attend = lambda q, k, v, seg, pos: ring(q, k, v, seg, pos, None)[0]
         else:
-            attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
+            attend = attention
         x_BTD = self._embed(tokens, TRAIN_ACT)
         cos_sin = rope_angles(self.config, positions)
-        x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids != 0, taps)
+        x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids, positions, taps)
         logits = self._logits(x_BTD, TRAIN_ACT)
         if cp > 1:  # a misaligned document (known only under jit) marks its row with NaN
             logits = mark_misaligned(logits, natural_seg, cp)
@@ -604,22 +613,22 @@ class Transformer(nnx.Module):
                 runs.append((name, j, j + 1))
         return runs
 
-    def _scan(self, x_BTD, cos_sin, attend, valid_BT, taps: bool):
+    def _scan(self, x_BTD, cos_sin, attend, segment_ids, positions, taps: bool):
         """All layers by `lax.scan` under the remat policy, one scan per run of layers of one stack,
-        cut where a tap is taken. Returns the output, the taps and the summed `RouterStats` (None
-        without sparse layers)."""
+        cut where a tap is taken; `attend(q, k, v, segment_ids, positions)` is the training
+        attention (the pipelined model, `jspec.pipeline`, calls it per microbatch). Returns the
+        output, the taps and the summed `RouterStats` (None without sparse layers)."""
         stacks = self._stacks()
+        layer_attend = lambda q, k, v: attend(q, k, v, segment_ids, positions)
+        valid_BT = segment_ids != 0
 
         def body(graphdef, x, state_i):
             x = self._constrain(x, (*TRAIN_ACT, "act_embed"))
-            x, _, stats = nnx.merge(graphdef, state_i)(x, cos_sin, attend, TRAIN_ACT, valid_BT)
+            layer = nnx.merge(graphdef, state_i)
+            x, _, stats = layer(x, cos_sin, layer_attend, TRAIN_ACT, valid_BT)
             return x, stats
 
-        remat = self.config.remat
-        if remat != "none":
-            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            policy = None if remat == "full" else policy
-            body = jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=(0,))
+        body = remat_layer(body, self.config.remat, static_argnums=(0,))
         cuts = sorted(self.config.taps) if taps else []
         entering, start, stats = {}, 0, []
         for stop in [*cuts, self.config.num_layers]:

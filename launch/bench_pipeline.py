@@ -9,8 +9,8 @@ loss is the mean token log-likelihood), and with the taps on (the TapChannel del
 draft's stage, where the loss reads them, detached, so none of it is dead code). It reports the
 taps' overhead in percent, the schedule's bubble (S - 1) / (M * R + S - 1), and a measured idle
 fraction 1 - t1 / (S * t): t1 is the unpipelined policy's step on one device for the same batch
-(on virtual CPU devices, which share the host's cores, that measure means little). Devices left
-over after the stages go to the data axis. Prints a table and writes JSON to `--json`.
+(on virtual CPU devices, which share the host's cores, that measure means little). The mesh is
+`--data` x stages devices. Prints a table and writes JSON to `--json`.
 
 `--attention xla` (the default on gpu) keeps attention off the Pallas kernel: a Pallas call has no
 SPMD partitioning rule, so inside the pipeline's vmap over the stage axis XLA would gather every
@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, nargs="+", default=None)
     p.add_argument("--microbatches", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, nargs="+", default=None)
+    p.add_argument("--data", type=int, default=1, help="size of the mesh's data axis")
     p.add_argument("--attention", choices=("auto", "xla"), default=None, help="see above")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default="runs/bench_pipeline/results.json")
@@ -91,22 +92,21 @@ def time_step(model, tokens, taps: bool, iters: int) -> float:
 
 
 def pipelines(args, model, num_devices: int):
-    """(stages, microbatches, repeats) to run: those the model, batch and devices allow."""
+    """The pipelines to run: those the model, the batch and the devices allow."""
     from jspec.config import ConfigError, MeshConfig, PipelineConfig
 
     for s in args.stages:
         for m in args.microbatches:
             for r in args.repeats:
                 pipeline = PipelineConfig(stages=s, microbatches=m, repeats=r)
-                data = num_devices // s
                 try:
                     pipeline.validate(model, MeshConfig(stage=s))
-                    pipeline.check_rows(args.batch // max(data, 1))
+                    pipeline.check_rows(args.batch // args.data)
                 except ConfigError as error:
                     print(f"skipped S={s} M={m} R={r}: {error}")
                     continue
-                if data >= 1 and args.batch % data == 0:
-                    yield pipeline, data
+                if s * args.data <= num_devices:
+                    yield pipeline
 
 
 def measure(args) -> dict:
@@ -130,7 +130,8 @@ def measure(args) -> dict:
     t1 = time_step(one, jax.device_put(tokens, devices[0]), False, args.iters)
     rows = [{"stages": 1, "microbatches": 1, "repeats": 1, "data": 1, "ms_taps_off": t1}]
     print(rows[0], flush=True)
-    for pipeline, data in pipelines(args, model, len(devices)):
+    data = args.data
+    for pipeline in pipelines(args, model, len(devices)):
         s = pipeline.stages
         mesh = mesh_lib.make_mesh(MeshConfig(data=data, stage=s), devices[: data * s])
         policy = create_pipelined(model, pipeline, mesh=mesh, seed=0)

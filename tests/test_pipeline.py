@@ -84,7 +84,7 @@ def run(stages=0, microbatches=1, repeats=1, data=1, context=1, taps=True):
 
 
 CASES = [  # stages, microbatches, repeats, data, context: together every value of each
-    (2, 2, 1, 2, 1),
+    (2, 2, 1, 4, 1),
     (4, 4, 2, 1, 2),
 ]
 
@@ -131,7 +131,7 @@ def test_pipeline_collective_permutes_are_the_same_with_taps_on_and_off():
 # ---------------------------------------------------------------------------------------------
 # The co-training train step on a pipelined policy.
 
-RL = RLConfig(prompts=2, group_size=4, sequences_per_row=2, ttt_steps=1, loss_chunk=16)
+RL = RLConfig(prompts=2, group_size=4, sequences_per_row=2, ttt_steps=0, loss_chunk=16)
 ROLLOUT = RolloutConfig(temperature=0.7, eos_id=1)
 
 

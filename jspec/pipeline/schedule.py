@@ -15,7 +15,9 @@ idles S - 1 iterations of M * R + S - 1: the bubble.
 
 Gradients are autodiff through the scan (all forward, then all backward: SPMD JAX has no 1F1B).
 Each iteration's stage computation is rematerialised from its input, so the scan saves one stage
-input per iteration. Activations keep their `data` and `context` sharding inside the pipeline,
+input per iteration. Every stage carries an io buffer of the whole batch's residual stream (only
+stage 0's is read: the price of one vmapped body; MaxText rotates a buffer spread over the stages
+instead). Activations keep their `data` and `context` sharding inside the pipeline,
 weights their `tensor` sharding, so the other mesh axes work as without it.
 """
 

@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, nargs="+", default=None)
     p.add_argument("--data", type=int, default=1, help="size of the mesh's data axis")
     p.add_argument("--attention", choices=("auto", "xla"), default=None, help="see above")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default="runs/bench_pipeline/results.json")
     args = p.parse_args(argv)
     config, overrides, batch, seq, stages, micro, repeats = DEFAULTS[args.device]
@@ -78,17 +78,20 @@ def step_fn(taps: bool):
 
 
 def time_step(model, tokens, taps: bool, iters: int) -> float:
-    """Milliseconds per step (after one compiling call)."""
+    """Median milliseconds of `iters` steps (after one compiling call)."""
     import jax
+    import numpy as np
     from flax import nnx
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     step = step_fn(taps)
     jax.block_until_ready(step(params, graphdef, rest, tokens))
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        start = time.perf_counter()
         jax.block_until_ready(step(params, graphdef, rest, tokens))
-    return 1e3 * (time.perf_counter() - start) / iters
+        times.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(times))
 
 
 def pipelines(args, model, num_devices: int):

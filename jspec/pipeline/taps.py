@@ -53,10 +53,11 @@ class TapChannel:
         return jnp.zeros((self.slots, *x.shape), x.dtype)
 
     def record(self, slots_K: jax.Array, x: jax.Array, stage, layer) -> jax.Array:
-        """The slots with `x`, the hidden state entering `layer`, in the slot that taps it."""
+        """The slots with `x`, the hidden state entering `layer`, in the slot that taps it (if
+        any: a layer no slot taps writes nothing, so an untapped layer costs no traffic)."""
         hit = jnp.asarray(self.slot_layers)[stage] == layer
-        hit = hit.reshape(-1, *(1,) * x.ndim)
-        return jnp.where(hit, jax.lax.stop_gradient(x)[None], slots_K)
+        slot = jnp.where(jnp.any(hit), jnp.argmax(hit), self.slots)  # out of range: dropped
+        return slots_K.at[slot].set(jax.lax.stop_gradient(x), mode="drop")
 
     def store(self, side_KM, slots_K, micro, busy, repeat, stage) -> jax.Array:
         """One stage's side buffer with the slots that its chunk of `repeat` filled written at
@@ -64,8 +65,8 @@ class TapChannel:
         start = self.schedule.chunk_start(repeat, stage)
         layers = jnp.asarray(self.slot_layers)[stage]
         filled = busy & (layers >= start) & (layers < start + self.schedule.layers_per_chunk)
-        filled = filled.reshape(-1, *(1,) * (slots_K.ndim - 1))
-        return side_KM.at[:, micro].set(jnp.where(filled, slots_K, side_KM[:, micro]))
+        rows = jnp.where(filled, jnp.arange(self.slots), self.slots)  # out of range: dropped
+        return side_KM.at[rows, micro].set(slots_K, mode="drop")
 
     def deliver(self, side_S: jax.Array, mesh: Mesh) -> jax.Array:
         """Taps [len(tap_layers), M, ...] in the order asked, gathered from every stage."""

@@ -84,7 +84,7 @@ def run(stages=0, microbatches=1, repeats=1, data=1, context=1, taps=True):
 
 
 CASES = [  # stages, microbatches, repeats, data, context: together every value of each
-    (2, 2, 1, 4, 1),
+    (2, 2, 1, 2, 1),
     (4, 4, 2, 1, 2),
 ]
 

@@ -365,6 +365,10 @@ class RLConfig:
     `ttt_steps` branch steps of the training-time test, step i weighted `ttt_decay`**i, in chunks of
     `loss_chunk` tokens along the sequence. Policy and draft have their own learning rate and
     gradient clipping. `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
+
+    Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
+    `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
+    n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
     """
 
     task: TaskConfig = TaskConfig()
@@ -388,6 +392,8 @@ class RLConfig:
     loss_chunk: int = 64
     save_every: int = 10
     keep_checkpoints: int = 3
+    max_lag: int = 0
+    rollout_mesh: MeshConfig | None = None
 
     @property
     def batch(self) -> int:
@@ -417,6 +423,28 @@ class RLConfig:
         _choice(f"{where}.normalization", self.normalization, _NORMALIZATIONS)
         if not 0 < self.ttt_decay <= 1:
             raise ConfigError(f"{where}.ttt_decay={self.ttt_decay} must be in (0, 1].")
+        self._validate_async(where)
+
+    def _validate_async(self, where: str) -> None:
+        """The fields of asynchronous RL: the lag, and a rollout mesh of fixed sizes."""
+        if self.max_lag < 0:
+            raise ConfigError(
+                f"{where}.max_lag={self.max_lag} must be >= 0: 0 is synchronous RL, k >= 1 lets "
+                "the rollouts run on weights up to k steps older than the trainer's."
+            )
+        if self.max_lag and self.rollout_mesh is None:
+            raise ConfigError(
+                f"{where}.max_lag={self.max_lag} needs {where}.rollout_mesh: rollouts run ahead of "
+                "the trainer on devices of their own (e.g. rl.rollout_mesh.data=4 gives the last 4 "
+                f"devices to the sampler); set it, or {where}.max_lag=0 for synchronous RL."
+            )
+        for axis, size in dataclasses.asdict(self.rollout_mesh or MeshConfig(data=1)).items():
+            if size < 1:
+                raise ConfigError(
+                    f"{where}.rollout_mesh.{axis}={size}: the rollout mesh takes a fixed number "
+                    "of devices, so every axis needs a size >= 1 (the training mesh, `mesh`, "
+                    "takes the devices left over)."
+                )
 
     def check_rollout(self, rollout: RolloutConfig) -> None:
         """Raises ConfigError for rollouts GRPO cannot learn from (checked by an RL run only, so
@@ -433,17 +461,20 @@ class RLConfig:
                 "(the byte tokenizer's is 256); set rollout.eos_id."
             )
 
-    def check_mesh(self, sizes: dict[str, int]) -> None:
-        """Raises ConfigError when the batch does not split over the mesh (before compiling):
-        rollout rows split over data x context, packed training rows over data."""
-        decode = sizes["data"] * sizes["context"]
+    def check_mesh(self, sizes: dict[str, int], rollout: dict[str, int] | None = None) -> None:
+        """Raises ConfigError when the batch does not split over the meshes (before compiling):
+        rollout rows over data x context of the rollout mesh (`rollout`; None: the training
+        mesh's `sizes`), packed training rows over data."""
+        where = "mesh" if rollout is None else "rl.rollout_mesh"
+        rollout = sizes if rollout is None else rollout
+        decode = rollout["data"] * rollout["context"]
         rows = self.batch // self.sequences_per_row
         if self.batch % decode:
             raise ConfigError(
                 f"the RL batch rl.prompts * rl.group_size = {self.prompts} * {self.group_size} = "
-                f"{self.batch} does not split over the {decode} rollout shards (mesh.data * "
-                f"mesh.context = {sizes['data']} * {sizes['context']}); make it a multiple of "
-                f"{decode}, e.g. rl.prompts={-(-decode // math.gcd(decode, self.group_size))}."
+                f"{self.batch} does not split over the {decode} rollout shards ({where}.data * "
+                f"{where}.context = {rollout['data']} * {rollout['context']}); make it a multiple "
+                f"of {decode}, e.g. rl.prompts={-(-decode // math.gcd(decode, self.group_size))}."
             )
         if rows % sizes["data"]:
             raise ConfigError(

@@ -40,8 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="train tokens per row")
     p.add_argument("--decode-batch", type=int, default=None, help="decode rows per device")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel sizes")
-    p.add_argument("--ragged-dot", choices=("xla", "pallas"), default="xla",
-                   help="GPU lowering of jax.lax.ragged_dot")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (GPU.md)")
     p.add_argument("--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (GPU.md)")
     p.add_argument("--iters", type=int, default=5)
@@ -54,6 +52,58 @@ def parse_args(argv=None):
     args.seq = args.seq or (4096 if gpu else 64)
     args.decode_batch = args.decode_batch or (64 if gpu else 8)
     return args
+
+
+def timed(fn, iters: int, *inputs):
+    """(ms per call, output) of jit(fn), after one call that compiles."""
+    import jax
+
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    out = jax.block_until_ready(compiled(*inputs))
+    start = time.perf_counter()
+    for _ in range(iters):
+        jax.block_until_ready(compiled(*inputs))
+    return 1e3 * (time.perf_counter() - start) / iters, out
+
+
+def train_step(forward):
+    """Gradients of a squared-output loss with respect to weights and input."""
+    import jax
+    import jax.numpy as jnp
+
+    loss = lambda s, x: jnp.sum(forward(s, x).astype(jnp.float32) ** 2)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1))
+
+
+def check_grouped_matmul(a: int = 4096, g: int = 16, k: int = 2048, n: int = 768) -> None:
+    """The Mosaic grouped matmul (value, input and weight gradients, bf16) against the same custom
+    VJP on `lax.ragged_dot` products; exits if they differ by more than bf16 rounding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec.models.grouped_matmul import LAX, MOSAIC, grouped_matmul, use_mosaic
+
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(a - 100, np.ones(g) / g), jnp.int32)  # 100 rows past
+    x, w, dy = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in ((a, k), (g, k, n), (a, n)))
+    if not use_mosaic(x, w):
+        raise SystemExit(
+            f"the grouped matmul does not take the Mosaic kernels on {jax.devices()[0]}"
+        )
+
+    def grads(kernels):
+        f = lambda x, w: grouped_matmul(x, w, sizes, kernels=kernels)  # noqa: E731
+        y, vjp = jax.vjp(f, x, w)
+        return [t.astype(jnp.float32) for t in (y, *vjp(dy))]
+
+    got, want = jax.jit(lambda: grads(MOSAIC))(), jax.jit(lambda: grads(LAX))()
+    error = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
+    errors = [error(a, b) for a, b in zip(got, want, strict=True)]
+    print("grouped matmul, Mosaic vs lax (y, dx, dw), max error / max:",
+          ", ".join(f"{e:.1e}" for e in errors), flush=True)  # fmt: skip
+    if max(errors) > 2e-2:
+        raise SystemExit("the Mosaic grouped matmul differs from lax.ragged_dot")
 
 
 def main(argv=None):
@@ -72,8 +122,8 @@ def main(argv=None):
     from jspec.mesh import make_mesh, sharding
     from jspec.models.transformer import TRAIN_ACT, Block, param_shardings, rope_angles
 
-    if args.ragged_dot == "pallas":
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    if args.device == "gpu":
+        check_grouped_matmul()
     devices = jax.devices()
     c = config_lib.load(args.config, args.set).model
     c = dataclasses.replace(c, num_layers=1, tap_layers=(0,), remat="none")
@@ -103,18 +153,6 @@ def main(argv=None):
 
         return state, forward
 
-    def timed(fn, *inputs):
-        compiled = jax.jit(fn).lower(*inputs).compile()
-        out = jax.block_until_ready(compiled(*inputs))
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            jax.block_until_ready(compiled(*inputs))
-        return 1e3 * (time.perf_counter() - start) / args.iters, out
-
-    def train_step(forward):
-        loss = lambda s, x: jnp.sum(forward(s, x).astype(jnp.float32) ** 2)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))
-
     rng = np.random.default_rng(0)
     most = max([p for p in args.ep if p <= len(devices)] + [1])
     inputs = {  # per device count p the first p * rows: the same tokens lead every run
@@ -137,7 +175,7 @@ def main(argv=None):
             if mesh is not None:
                 x = jax.device_put(x, sharding(mesh, ("batch", None, None)))
             fn = train_step(forward) if mode == "train" else forward
-            ms, out = timed(fn, state, x)
+            ms, out = timed(fn, args.iters, state, x)
             tokens = b * t  # per device
             row = {"layer": name, "devices": p, "mode": mode, "rows_per_device": b, "seq": t,
                    "ms": ms, "tokens_per_s_per_device": tokens / ms * 1e3}  # fmt: skip

@@ -8,17 +8,24 @@ For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs 
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the
 decode step time is (time of M tokens - time of 1 token) / (M - 1), which removes the prefill. The
 cost curve runs the target's branch forward over a chain of N nodes against the same cache in a
-jitted loop, reported in decode steps (N = 1 is the decode step of the verify path). The memory
-floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`, 4.1 TB/s
-on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache updates) is
-timed the same way and reported in decode steps: the accepted length at which it breaks even.
-Weights are random: speed only, not acceptance. Prints a table and writes JSON.
+jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
+memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
+4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache
+updates) is timed the same way and reported in decode steps: the accepted length at which it
+breaks even.
+Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
+draft written by `launch/train_code_lm.py`: then prompts are held-out source files, and each
+speculative step comes with its accepted length, the measured speedup over plain decoding and the
+speedup the verify cost curve predicts. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import dataclasses
+import gzip
 import json
 import pathlib
 import time
@@ -30,9 +37,11 @@ from flax import nnx
 
 from jspec import config as config_lib
 from jspec.config import RolloutConfig, TreeConfig
-from jspec.models import create, transformer
+from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.rl.tasks import HFTokenizer
 from jspec.sampler import decoding, generate
+from jspec.sampler.tree_choice import StepCosts, choose_tree
 
 
 def parse_args(argv=None):
@@ -53,6 +62,19 @@ def parse_args(argv=None):
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
+    p.add_argument("--profile", metavar="DIR", help="trace the plain step; print its top kernels")
+    p.add_argument(
+        "--trained",
+        metavar="RUN_DIR",
+        help="target, draft and held-out prompts written by launch/train_code_lm.py",
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--check-greedy",
+        action="store_true",
+        help="first check, in float32, that greedy tokens of the rollout path (plain and "
+        "speculative) equal a step-by-step loop of the model's own prefill and decode",
+    )
     p.add_argument("--out", default="bench_rollout.json")
     return p.parse_args(argv)
 
@@ -89,21 +111,48 @@ def best_time(fn, iters: int) -> float:
     return min(times)
 
 
-def step_seconds(model, draft, tree, prompts, lengths, new_tokens, iters) -> float:
-    """Time of one step of the `generate` loop (draft + verify + bookkeeping), prefill excluded:
-    a plain decode step when `draft` is None."""
-    key = jax.random.key(0)
-    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=0.0, tree=tree)
+def step_seconds(model, draft, tree, prompts, lengths, args) -> tuple[float, float]:
+    """Time of one step of the `generate` loop (draft + verify + bookkeeping), prefill excluded,
+    and the mean accepted length (tokens a step emits); a plain decode step when `draft` is None."""
+    key, m = jax.random.key(0), args.new_tokens
+    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
     run = lambda m: lambda: generate(model, draft, prompts, lengths, key, config(m))
-    steps = int(np.max(run(new_tokens)().stats.steps))
-    return (best_time(run(new_tokens), iters) - best_time(run(1), iters)) / steps
+    stats = run(m)().stats
+    steps = int(np.max(stats.steps))
+    seconds = (best_time(run(m), args.iters) - best_time(run(1), args.iters)) / steps
+    return seconds, stats.mean_accepted_length()
+
+
+def tree_nodes(tree: TreeConfig) -> int:
+    """Nodes a verify step runs: the root and the tree's nodes."""
+    if tree.kind == "dynamic":
+        return 1 + tree.total_tokens
+    return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
+
+
+def speculative(model, draft, prompts, lengths, step: float, curve: dict, args) -> dict:
+    """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
+    speedup over plain decoding and the one the verify cost curve predicts (accepted length over
+    the verify cost of the tree's nodes, interpolated: drafting is not in it)."""
+    out = {}
+    sizes = sorted(curve)
+    for name, tree in TREES.items():
+        seconds, accepted = step_seconds(model, draft, tree, prompts, lengths, args)
+        verify = np.interp(tree_nodes(tree), sizes, [curve[n] for n in sizes]) / step
+        out[name] = dict(
+            step_in_decode_steps=seconds / step,
+            accepted_length=accepted,
+            speedup=accepted * step / seconds,
+            predicted_speedup=accepted / verify if len(sizes) > 1 else None,
+        )
+    return out
 
 
 def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) -> float:
     """Time of one branch forward over a chain of n nodes against a prefilled cache."""
     graphdef, state = nnx.split(model)
     b, t = prompts.shape
-    m = lambda state: nnx.merge(graphdef, state)
+    m = lambda state: nnx.merge(graphdef, state).for_rollout()
     cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, t + n), lengths)[1])(state)
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
     anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
@@ -122,16 +171,46 @@ def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) 
     return best_time(lambda: run(state, cache), iters) / loops
 
 
-def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
+def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
+    """(kernel, ms per step, launches per step) of the GPU kernels in the newest perfetto trace
+    under `log_dir`, the `top` heaviest, from `jax.profiler.trace(create_perfetto_trace=True)`."""
+    path = max(pathlib.Path(log_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    print("trace processes:", sorted(set(names.values())))
+    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            total[e["name"]] += e["dur"] / 1e3
+            count[e["name"]] += 1
+    rows = [(name, ms / steps, count[name] / steps) for name, ms in total.most_common(top)]
+    print(f"GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
+          f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
+    for name, ms, n in rows:
+        print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:110]}")
+    return rows
+
+
+def profile_step(model, prompts, lengths, new_tokens, log_dir) -> list:
+    """The top kernels of the plain decode loop (prefill included, so `new_tokens` is large)."""
+    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=TreeConfig())
+    run = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
+    jax.block_until_ready(run())
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    return kernel_table(log_dir, new_tokens)
+
+
+def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     """One row of the table: the plain step, the verify cost curve, the speculative steps."""
     cfg = model.config
-    rng = np.random.default_rng(0)
-    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
+    batch = prompts.shape[0]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
-    time_step = lambda d, tree: step_seconds(
-        model, d, tree, prompts, lengths, args.new_tokens, args.iters
-    )
+    time_step = lambda d, tree: step_seconds(model, d, tree, prompts, lengths, args)[0]
     step = time_step(None, TreeConfig())
+    if args.profile:
+        profile_step(model, prompts, lengths, args.new_tokens, f"{args.profile}/batch{batch}")
     blocks_step = None
     if args.compare_blocks:
         with few_queries(0):
@@ -150,10 +229,10 @@ def measure(model, draft, batch: int, weight_bytes: int, args) -> dict:
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
-        verify_in_decode_steps={n: s / curve[min(curve)] for n, s in curve.items()},
-        spec_step_in_decode_steps={
-            k: time_step(draft, t) / step for k, t in ({} if args.no_spec else TREES).items()
-        },
+        verify_in_decode_steps={n: s / step for n, s in curve.items()},
+        speculative={}
+        if args.no_spec
+        else speculative(model, draft, prompts, lengths, step, curve, args),
     )
 
 
@@ -162,15 +241,85 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
-    cfg = config_lib.load(args.config, args.overrides).model
-    model = create(cfg)
+    if args.check_greedy:
+        check_greedy(config_lib.load(args.config, args.overrides).model, args)
+    model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
     rows = []
     for b in args.batches:
-        rows.append(measure(model, draft, b, weight_bytes, args))
+        prompts = jnp.asarray(np.resize(prompt_rows, (b, args.prompt_len)), jnp.int32)
+        rows.append(measure(model, draft, prompts, weight_bytes, args))
         print_row(rows[-1])
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+    if not args.no_spec:
+        print_choices(rows, args.out)
+
+
+def print_choices(rows, path) -> None:
+    """The tree `choose_tree` takes at each batch from this run's costs and accepted lengths, and
+    its measured speedup (1.0: plain decoding)."""
+    costs = StepCosts.from_bench(path)
+    for r in rows:
+        accepted = {t: x["accepted_length"] for t, x in r["speculative"].items()}
+        tree, _ = choose_tree(costs, r["batch"], accepted)
+        speedup = 1.0 if tree is None else r["speculative"][tree]["speedup"]
+        print(f"batch {r['batch']:4d}: chosen {tree or 'plain decoding'}, speedup {speedup:.2f}x")
+
+
+def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
+    """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
+    equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`), float32."""
+    cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
+    model = create(cfg)
+    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    rng = np.random.default_rng(1)
+    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
+    lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
+    graphdef, state = nnx.split(model)
+    m = lambda state: nnx.merge(graphdef, state)
+    prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
+    decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
+    logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
+    expected = []
+    for _ in range(new_tokens):
+        expected.append(jnp.argmax(logits, axis=-1))
+        logits, cache = decode(state, expected[-1], cache)
+    expected = np.stack(jax.device_get(expected), axis=1)
+    for name, d, tree in (
+        ("plain", None, TreeConfig()),
+        *((k, draft, t) for k, t in TREES.items()),
+    ):
+        config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
+        got = generate(model, d, prompts, lengths, jax.random.key(0), config).tokens
+        if not np.array_equal(np.asarray(got), expected):
+            raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
+    print(f"greedy check: plain and {', '.join(TREES)} equal the step-by-step loop "
+          f"({batch} x {new_tokens} tokens, float32)", flush=True)  # fmt: skip
+
+
+def random_models(args):
+    """Target and draft of random weights (speed only), random prompts."""
+    cfg = config_lib.load(args.config, args.overrides).model
+    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (max(args.batches), args.prompt_len))
+    return create(cfg), draft, prompts
+
+
+def trained(args):
+    """Target and draft of `launch/train_code_lm.py` in bfloat16, and prompts: the first
+    `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
+    run = pathlib.Path(args.trained)
+    target = hf.load(run / "target", dtype="bfloat16")
+    draft, _ = hf_eagle3.load(run / "draft", dtype="bfloat16")
+    eos = json.loads((run / "report.json").read_text())["eos_token"]
+    tok = HFTokenizer(run / "tokenizer.json", eos)
+    texts = json.loads((run / "heldout.json").read_text())
+    prompts = [ids[: args.prompt_len] for ids in map(tok.encode, texts)]
+    prompts = [p for p in prompts if len(p) == args.prompt_len][: max(args.batches)]
+    if not prompts:
+        raise SystemExit(f"no held-out file of {args.prompt_len} tokens; lower --prompt-len")
+    return target, draft, np.asarray(prompts)
 
 
 def print_row(r) -> None:
@@ -183,9 +332,14 @@ def print_row(r) -> None:
         f"{r['tokens_per_s']:10,.0f} tok/s",
         f"floor {r['floor_ms']:.2f} ms ({100 * r['of_floor']:.0f}%)",
         f"verify/decode {curve}",
-        "spec step/decode "
-        + ", ".join(f"{k}: {x:.2f}" for k, x in r["spec_step_in_decode_steps"].items()),
     ]
+    for name, x in r["speculative"].items():
+        predicted = x["predicted_speedup"]
+        parts.append(
+            f"{name}: step {x['step_in_decode_steps']:.2f} decodes, accepted "
+            f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x"
+            + ("" if predicted is None else f" (predicted {predicted:.2f}x)")
+        )
     print(" | ".join(parts), flush=True)
 
 

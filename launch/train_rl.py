@@ -4,6 +4,7 @@
     python launch/train_rl.py --draft frozen                   # the draft stops learning after SFT
     python launch/train_rl.py --draft none                     # plain decoding, no draft
     python launch/train_rl.py rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
+    python launch/train_rl.py rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4 devices
 
 The warm start trains the policy on the task's worked answers and the draft on the policy's own
 features (the same train step, a supervised objective), so RL starts from a policy that sometimes
@@ -11,8 +12,14 @@ succeeds and a draft that is already useful. Each RL step then draws prompts, sa
 responses per prompt with `jspec.sampler.generate` (the draft of the current TrainState proposes,
 the policy verifies), scores them exactly, and makes one update of policy and draft.
 
+Asynchronous RL (`train`): with rl.rollout_mesh the last devices sample and the rest train; with
+rl.max_lag = k >= 1 the rollouts of step n + 1 run while step n trains, on weights k steps old
+(the loss's importance ratio uses the log-probabilities recorded under them), and the new policy and
+draft weights move to the sampler after each train step, device to device.
+
 Writes to --run-dir (default runs/<config>-<draft>): metrics.jsonl (one line per RL step: reward,
-losses, draft agreement, mean accepted length, rollout tokens/s, rollout / train / step time),
+losses, draft agreement, mean accepted length, rollout tokens/s, rollout / train / weight
+transfer / step time, the lag of the batch's weights in steps),
 TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every
 rl.save_every steps, with the config beside). Run again to resume from the latest checkpoint.
 `launch/plot_runs.py` draws several runs' metrics.
@@ -25,6 +32,8 @@ import json
 import pathlib
 import sys
 import time
+from concurrent.futures import Future
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +46,11 @@ from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
 from jspec.models import create
 from jspec.models.draft import from_config as draft_from_config
-from jspec.rl import grpo, packing, tasks
+from jspec.rl import grpo, packing, rollouts, tasks
+from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
-from jspec.sampler import generate
+from jspec.sampler import Rollout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -62,7 +72,8 @@ def parse_args(argv=None):
 
 
 class Run:
-    """One run's fixed parts: config, mesh, networks, tokenizer, static shapes."""
+    """One run's fixed parts: config, meshes (training, and rollout when split), networks (the
+    trainer's, and the sampler's on the rollout mesh), tokenizer, static shapes."""
 
     def __init__(self, cfg: config_lib.Config, mode: str):
         if cfg.rl is None:
@@ -71,8 +82,9 @@ class Run:
             )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
         self.rl.check_rollout(cfg.rollout)
-        self.mesh = mesh_lib.make_mesh(cfg.mesh)
-        self.rl.check_mesh(dict(self.mesh.shape))
+        self.mesh, self.rollout_mesh = rollouts.split_meshes(cfg.mesh, self.rl.rollout_mesh)
+        rollout_sizes = None if self.rollout_mesh is None else dict(self.rollout_mesh.shape)
+        self.rl.check_mesh(dict(self.mesh.shape), rollout_sizes)
         self.tokenizer = tasks.ByteTokenizer()
         self._check_shapes()
         draft_cfg = cfg.rollout.draft
@@ -81,11 +93,20 @@ class Run:
                 f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
                 f"{draft_cfg.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
             )
-        policy = create(cfg.model, mesh=self.mesh, seed=cfg.seed)
-        draft = None if mode == "none" else draft_from_config(draft_cfg, policy, mesh=self.mesh)
-        self.networks, self.initial_params = Networks.split(policy, draft, self.mesh)
+        self.networks, self.initial_params = self._build(self.mesh)
+        self.sampler_networks = self.networks
+        if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later
+            self.sampler_networks = self._build(self.rollout_mesh)[0]
         self.rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["batch"]))
         self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
+
+    def _build(self, mesh) -> tuple[Networks, dict]:
+        """(Networks, params) of the policy and the draft created on `mesh`."""
+        policy = create(self.cfg.model, mesh=mesh, seed=self.cfg.seed)
+        draft = None
+        if self.mode != "none":
+            draft = draft_from_config(self.cfg.rollout.draft, policy, mesh=mesh)
+        return Networks.split(policy, draft, mesh)
 
     def _check_shapes(self) -> None:
         cfg, tok = self.cfg, self.tokenizer
@@ -141,33 +162,49 @@ def warm_start(run: Run, log) -> dict:
     return state.params
 
 
-def rollout_batch(run: Run, state, step: int):
-    """Prompts of `step`, a group of sampled responses each, their rewards, the packed batch."""
-    rl, cfg = run.rl, run.cfg
-    problems = tasks.problems(rl.task, step, rl.prompts, cfg.seed)
+class InFlight(NamedTuple):
+    """Rollouts dispatched for RL step `step` with weights of `version` train steps."""
+
+    step: int
+    version: int
+    group: list[tasks.Problem]
+    prompts: np.ndarray
+    prompt_lengths: np.ndarray
+    out: Future[Rollout]  # dispatched from the sampler's thread
+    start: float
+
+
+def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
+    """Draws the prompts of `step` and dispatches a group of sampled responses to each."""
+    rl = run.rl
+    problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
     group = [p for p in problems for _ in range(rl.group_size)]
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
-    policy, draft = run.networks.models(state.params)
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
     start = time.perf_counter()
-    out = generate(policy, draft, jnp.asarray(prompts), jnp.asarray(prompt_lengths), key,
-                   cfg.rollout)  # fmt: skip
+    out = sampler.generate(prompts, prompt_lengths, step, run.cfg.rollout)
+    return InFlight(step, sampler.version, group, prompts, prompt_lengths, out, start)
+
+
+def finish_rollout(run: Run, job: InFlight):
+    """Waits for the rollouts of `job`, scores them; the packed batch and the step's metrics."""
+    rl, out = run.rl, job.out.result()
     tokens, lengths, logprobs = (np.asarray(x) for x in (out.tokens, out.lengths, out.logprobs))
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - job.start
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
-    rewards = np.asarray([tasks.reward(p, r) for p, r in zip(group, responses, strict=True)])
+    rewards = np.asarray([tasks.reward(p, r) for p, r in zip(job.group, responses, strict=True)])
     advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
     packed = packing.pack(
-        prompts, prompt_lengths, tokens, lengths, logprobs, advantages,
+        job.prompts, job.prompt_lengths, tokens, lengths, logprobs, advantages,
         per_row=rl.sequences_per_row, align=run.align,
     )  # fmt: skip
-    name, difficulty = tasks.task_at(rl.task, step)
+    name, difficulty = tasks.task_at(rl.task, job.step)
     metrics = {
         "reward": float(rewards.mean()),
-        "accepted_length": out.stats.mean_accepted_length() if draft is not None else 1.0,
+        "accepted_length": out.stats.mean_accepted_length() if run.mode != "none" else 1.0,
         "response_length": float(lengths.mean()),
         "rollout_tokens_per_s": float(lengths.sum()) / seconds,
         "rollout_time": seconds,
+        "lag": job.step - job.version,
         "task": f"{name}:{difficulty}",
     }
     return run.put(packed), metrics
@@ -221,6 +258,38 @@ def start_or_resume(run: Run, checkpoints: Checkpoints, log):
     return state, step
 
 
+def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, quiet: bool):
+    """The RL loop, synchronous or asynchronous. The rollouts of step s are generated with the
+    weights of step max(s - rl.max_lag, first step); those of the steps ahead are dispatched
+    before this step's train step (from the sampler's thread), so on the rollout mesh they run
+    while it trains: nothing waits for them until their own step. After each train step its policy
+    and draft weights go to the sampler. rl.max_lag=0 is the synchronous loop."""
+    rl = run.rl
+    sampler = Sampler(run.sampler_networks, run.networks)
+    sampler.load(state, steps.start)
+    inflight: dict[int, InFlight] = {}
+    bar = tqdm(steps, initial=steps.start, total=rl.steps, disable=quiet)
+    for step in bar:
+        start = time.perf_counter()
+        for ahead in range(step, min(step + rl.max_lag, steps.stop - 1) + 1):
+            if ahead not in inflight:
+                inflight[ahead] = start_rollout(run, sampler, ahead)
+        batch, metrics = finish_rollout(run, inflight.pop(step))
+        train_start = time.perf_counter()
+        state, train_metrics = jax.block_until_ready(train_step(state, batch))
+        metrics["train_time"] = time.perf_counter() - train_start
+        metrics["transfer_time"] = sampler.load(state, step + 1)
+        metrics.update({k: float(v) for k, v in jax.device_get(train_metrics).items()})
+        metrics["step_time"] = time.perf_counter() - start
+        metrics_out.write(step, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
+        )
+        if rl.save_every and (step + 1) % rl.save_every == 0 or step + 1 == steps.stop:
+            checkpoints.save(step + 1, state)
+    sampler.close()
+
+
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     if args.compilation_cache:
@@ -236,21 +305,7 @@ def main(argv=None) -> pathlib.Path:
     first = int(state.step)
     metrics_out = Metrics(run_dir, first)
     last = cfg.rl.steps if args.stop_after is None else min(cfg.rl.steps, first + args.stop_after)
-    bar = tqdm(range(first, last), initial=first, total=cfg.rl.steps, disable=args.quiet)
-    for step in bar:
-        start = time.perf_counter()
-        batch, metrics = rollout_batch(run, state, step)
-        train_start = time.perf_counter()
-        state, train_metrics = train_step(state, batch)
-        train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-        now = time.perf_counter()
-        metrics.update(train_metrics, train_time=now - train_start, step_time=now - start)
-        metrics_out.write(step, metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
-        )
-        if cfg.rl.save_every and (step + 1) % cfg.rl.save_every == 0 or step + 1 == last:
-            checkpoints.save(step + 1, state)
+    train(run, state, train_step, range(first, last), checkpoints, metrics_out, args.quiet)
     checkpoints.wait()
     checkpoints.close()
     log(f"metrics: {metrics_out.path}")

@@ -2,7 +2,19 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+
+
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory) -> str:
+    """One persistent XLA compilation cache for the RL loop's runs, shared by the test files (and
+    the pytest-xdist workers) of a session: what one file compiled, another loads."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if root.name.startswith("popen-gw") else root
+    (root / "jax_cache").mkdir(exist_ok=True)
+    return str(root / "jax_cache")

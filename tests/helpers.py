@@ -1,7 +1,10 @@
-"""Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts, HLO
-collectives."""
+"""Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts, the
+RL demo loop at test size, HLO collectives."""
 
+import json
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,9 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.scipy.special import gammaincc
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "launch"))
+import train_rl  # noqa: E402
 
 
 def close(got, want, rtol=1e-5):
@@ -113,6 +119,25 @@ def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int 
     logprobs = -rng.random((rows, new)).astype(np.float32)
     advantages = rng.normal(size=rows).astype(np.float32)
     return prompts, prompt_lengths, responses, response_lengths, logprobs, advantages
+
+
+# The RL demo loop (launch/train_rl.py) at test size.
+
+LOOP = [
+    "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
+    "rl.task.name=sorting", "rl.task.difficulty=1", "rollout.max_new_tokens=6",
+    "rl.prompts=8", "rl.group_size=8", "rl.sequences_per_row=2", "rl.sft_batch=16",
+    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1", "rl.learning_rate=2e-4",
+]  # fmt: skip
+COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
+
+
+def loop(run_dir, cache, *extra) -> list[dict]:
+    """The metrics of a `train_rl` run of LOOP and `extra` (overrides and flags) in `run_dir`."""
+    args = [*LOOP, *extra, "--run-dir", str(run_dir), "--compilation-cache", cache, "--quiet"]
+    train_rl.main(args)
+    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def collective_lines(hlo: str, op: str) -> list[str]:

@@ -8,15 +8,21 @@ Compilation dominates on the CPU: shapes are tiny, the TTT has one branch pass i
 
 import dataclasses
 import functools
-import json
-import pathlib
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import close, close_trees, count_dots, random_rollouts
+from helpers import (
+    COMPARED,
+    LOOP,
+    close,
+    close_trees,
+    count_dots,
+    loop,
+    random_rollouts,
+    train_rl,
+)
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
@@ -26,9 +32,6 @@ from jspec.rl import packing
 from jspec.rl.draft_loss import draft_loss, draft_passes
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_loss, make_train_step
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "launch"))
-import train_rl  # noqa: E402
 
 MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -134,26 +137,11 @@ def test_draft_adds_only_its_own_dot_operations():
 # ---------------------------------------------------------------------------------------------
 # The demo loop (launch/train_rl.py) at test size.
 
-LOOP = [
-    "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
-    "rl.task.name=sorting", "rl.task.difficulty=1", "rollout.max_new_tokens=6",
-    "rl.prompts=8", "rl.group_size=8", "rl.sequences_per_row=2", "rl.sft_batch=16",
-    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1", "rl.learning_rate=2e-4",
-]  # fmt: skip
-COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
-
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One persistent compilation cache for the module's runs: a resumed run compiles nothing."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-def loop(run_dir, cache, *extra):
-    args = [*LOOP, *extra, "--run-dir", str(run_dir), "--compilation-cache", cache, "--quiet"]
-    train_rl.main(args)
-    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+def cache(compilation_cache):
+    """The session's persistent compilation cache (conftest): a resumed run compiles nothing."""
+    return compilation_cache
 
 
 def test_reward_rises_over_a_small_demo(tmp_path, cache):

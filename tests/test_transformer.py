@@ -218,6 +218,24 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns):
         close(got[b], forward(seqs[b, : lengths[b] + 1])[0][-1])
 
 
+def test_for_rollout_computes_what_the_model_computes(model, fns):
+    """The unstacked copy of the rollout loop: the same decode, the original left stacked."""
+    state, *_ = fns
+    graphdef = nnx.split(model)[0]
+    prompt = np.random.RandomState(9).randint(0, CONFIG.vocab_size, (2, 6)).astype(np.int32)
+
+    def run(state, rollout: bool):
+        m = nnx.merge(graphdef, state)
+        m = m.for_rollout() if rollout else m
+        logits, cache = m.prefill(prompt, m.init_cache(2, PAD))
+        return m.decode(jnp.argmax(logits, -1), cache)[0]
+
+    run = jax.jit(run, static_argnums=1)
+    np.testing.assert_array_equal(run(state, True), run(state, False))
+    assert model.unstacked is None
+    assert model.for_rollout().unstacked[2].wq.shape == model.layers.wq.shape[1:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Training forward: sharding and remat change nothing.
 

@@ -30,7 +30,8 @@ def _continue(state, s, v, scale):
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
-    pv = jnp.einsum("bkgrc,bckd->bkgrd", p, v.astype(jnp.float32))
+    # p in the values' dtype (as flash attention does): a float32 copy of the cache costs more
+    pv = jnp.einsum("bkgrc,bckd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 

@@ -85,6 +85,8 @@ class Draft(Protocol):
 
     def empty_tree(self, batch: int, capacity: int) -> TreeKV: ...
 
+    def for_rollout(self) -> Draft: ...  # this draft in the layout a loop of steps wants
+
 
 def check_target(draft, target: ModelConfig) -> None:
     """Raises ConfigError when the draft cannot serve this target (before any compilation)."""
@@ -291,6 +293,9 @@ class Eagle3Draft(nnx.Module):
         c = self.config.layer
         return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
 
+    def for_rollout(self) -> Eagle3Draft:
+        return self  # one layer, in weights of its own already
+
     # -- internals -----------------------------------------------------------------------------
 
     @property
@@ -358,6 +363,9 @@ class ExternalDraft(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return self.model.init_cache(batch, max_len + 1)  # the root sits one slot ahead
+
+    def for_rollout(self) -> ExternalDraft:
+        return ExternalDraft(self.model.for_rollout())
 
     def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut:
         """Slots 0 .. n: the prompt, then the root."""

@@ -5,8 +5,9 @@ each token's top-k experts, their probabilities renormalised to sum to 1 if `nor
 output is the probability-weighted sum of the chosen experts' SwiGLU MLPs.
 
 Dropless: every (token, expert) assignment is computed. Assignments are sorted by expert, so the
-tokens of one expert form a contiguous run, and `jax.lax.ragged_dot` multiplies every run by its
-expert's weights in one grouped matmul per projection: no capacity factor, no dropped token.
+tokens of one expert form a contiguous run, and a grouped matmul (`grouped_matmul`: Mosaic GPU
+kernels on Hopper, `jax.lax.ragged_dot` elsewhere) multiplies every run by its expert's weights,
+one per projection: no capacity factor, no dropped token.
 
 Expert parallelism. Experts are split over the mesh axes ("data", "context") (`RULES["expert"]`)
 and each expert's width over "tensor" (`RULES["moe_mlp"]`, as the dense MLP's). Why those axes:
@@ -55,6 +56,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, ModelConfig
+from jspec.models.grouped_matmul import grouped_matmul
 
 
 class RouterStats(NamedTuple):
@@ -103,9 +105,9 @@ def swiglu_experts(
     w_down_LFD: Float[Array, "l f d"],
 ) -> Float[Array, "a d"]:
     """Each run of rows through its expert's SwiGLU MLP (rows past the runs give 0)."""
-    gate_AF = jax.lax.ragged_dot(x_AD, w_gate_LDF, group_sizes)
-    up_AF = jax.lax.ragged_dot(x_AD, w_up_LDF, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate_AF) * up_AF, w_down_LFD, group_sizes)
+    gate_AF = grouped_matmul(x_AD, w_gate_LDF, group_sizes)
+    up_AF = grouped_matmul(x_AD, w_up_LDF, group_sizes)
+    return grouped_matmul(jax.nn.silu(gate_AF) * up_AF, w_down_LFD, group_sizes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -426,6 +426,7 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pdt, None)
         tied = c.tie_embeddings
         self.unembed = None if tied else _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+        self.unstacked = nnx.data(None)  # set by `for_rollout`
 
     # -- training ------------------------------------------------------------------------------
 
@@ -481,6 +482,22 @@ class Transformer(nnx.Module):
         return out if len(out) > 1 else logits
 
     # -- rollout -------------------------------------------------------------------------------
+
+    def for_rollout(self) -> Transformer:
+        """This model with each decoder layer in weights of its own (`unstacked`), for a loop of
+        rollout steps; `self` is unchanged.
+
+        The rollout path otherwise slices layer i out of the stacked weights, and inside a loop
+        XLA (on GPU) copies every slice at every step, which doubles the bytes a decode step
+        reads. Here the slices are taken once, behind an optimization barrier so that they are
+        not fused back into the loop; the weights are held twice while the copy lives.
+        """
+        model = nnx.merge(*nnx.split(self))
+        layers = [self._layer(i) for i in range(self.config.num_layers)]
+        graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
+        states = jax.lax.optimization_barrier(list(states))
+        model.unstacked = nnx.List(map(nnx.merge, graphdefs, states))
+        return model
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache of `max_len` slots per row (at most `config.max_seq_len`)."""
@@ -642,18 +659,21 @@ class Transformer(nnx.Module):
         total = jax.tree.map(lambda *y: sum(y), *stats) if stats else None
         return x_BTD, [entering[t] for t in self.config.taps] if taps else [], total
 
+    def _layer(self, i: int) -> Block:
+        """Decoder layer i, as static slices of its stack."""
+        ((name, j, _),) = self._runs(i, i + 1)
+        graphdef, state = nnx.split(getattr(self, name))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
+
     def _unrolled(self, x_BTD, cos_sin, attend, taps: bool):
         """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V.
 
         `attend(i, q, k, v)` gets the layer index, to read layer i of a cache.
         """
-        stacks = self._stacks()
         entering, ks, vs = {}, [], []
         for i in range(self.config.num_layers):
             x_BTD = entering[i] = self._constrain(x_BTD, (*ROLLOUT_ACT, "act_embed"))
-            ((name, j, _),) = self._runs(i, i + 1)
-            graphdef, state = stacks[name]
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))  # static slice
+            layer = self._layer(i) if self.unstacked is None else self.unstacked[i]
             x_BTD, (k, v), _ = layer(x_BTD, cos_sin, functools.partial(attend, i), ROLLOUT_ACT)
             ks.append(k)
             vs.append(v)

@@ -161,6 +161,8 @@ def rollout(
     config: RolloutConfig,
 ) -> Rollout:
     """The traceable body of `generate` (call it inside your own `jit`)."""
+    target = target.for_rollout()
+    draft = None if draft is None else draft.for_rollout()
     b, t = prompts.shape
     m = config.max_new_tokens
     lengths = jnp.asarray(lengths, jnp.int32)

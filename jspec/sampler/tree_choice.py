@@ -1,0 +1,74 @@
+"""Which draft tree a speculative step should verify at a batch size: speculation that never loses.
+
+A step that drafts and verifies a tree costs `c` plain decode steps and emits `L` tokens on average
+(its mean accepted length, the root's token included); plain decoding is the tree of no nodes,
+L = c = 1. Speculation pays where L / c > 1. Verification is memory-bound at small batches (c near
+1 whatever the tree) and compute-bound at large ones (c grows with batch x nodes), so the best tree
+shrinks as the batch grows, down to a chain or to no tree at all, as FastGRPO found at high
+concurrency. `choose_tree` takes the candidate of largest L / c, plain decoding always among them,
+so by its own measurements the choice is never slower than plain decoding.
+
+The costs are measured per batch size by `launch/bench_rollout.py` (read its JSON with
+`StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; accepted lengths
+come from rollouts (`RolloutStats.mean_accepted_length`), which drift as policy and draft train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from jspec.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Cost of one speculative step, in plain decode steps, of each tree at measured batch sizes."""
+
+    batches: tuple[int, ...]  # increasing
+    cost: Mapping[str, tuple[float, ...]]  # tree name -> cost at each of `batches`
+
+    def __post_init__(self):
+        if not self.batches or list(self.batches) != sorted(set(self.batches)):
+            raise ConfigError(f"StepCosts.batches={self.batches} must be increasing and not empty.")
+        for name, costs in self.cost.items():
+            if len(costs) != len(self.batches):
+                raise ConfigError(
+                    f"tree {name!r} has {len(costs)} costs for {len(self.batches)} batch sizes."
+                )
+
+    def at(self, tree: str, batch: int) -> float:
+        """The cost at `batch`, interpolated in log2(batch); the nearest measured end outside."""
+        if tree not in self.cost:
+            raise ConfigError(f"no measured cost for tree {tree!r}; measured: {sorted(self.cost)}.")
+        x = [math.log2(b) for b in self.batches]
+        return float(np.interp(math.log2(batch), x, self.cost[tree]))
+
+    @classmethod
+    def from_bench(cls, path: str | pathlib.Path) -> StepCosts:
+        """The costs in a JSON written by `launch/bench_rollout.py` (its rows' `speculative`)."""
+        rows = sorted(json.loads(pathlib.Path(path).read_text())["rows"], key=lambda r: r["batch"])
+        trees = set.intersection(*(set(r["speculative"]) for r in rows))
+        cost = {t: tuple(r["speculative"][t]["step_in_decode_steps"] for r in rows) for t in trees}
+        return cls(tuple(r["batch"] for r in rows), cost)
+
+
+def choose_tree(
+    costs: StepCosts, batch: int, accepted: Mapping[str, float]
+) -> tuple[str | None, float]:
+    """(tree, predicted speedup over plain decoding) of the candidate with the largest accepted
+    length over cost at `batch`; (None, 1.0), plain decoding, when no tree beats it.
+
+    `accepted`: mean accepted length of each candidate tree (trees without one are not candidates).
+    """
+    best, speedup = None, 1.0
+    for tree, length in sorted(accepted.items()):
+        gain = length / costs.at(tree, batch)
+        if gain > speedup:
+            best, speedup = tree, gain
+    return best, speedup

@@ -1,0 +1,272 @@
+"""A target language model and its EAGLE-3 draft, trained from scratch on Python source code, so
+that speculative decoding's acceptance (and so its speedup) is measured on a real model.
+
+No model hub is reachable from the GPU machines; the `.py` files of the Python installation
+(standard library and site-packages: tens of MB of real code) are. The script
+  1. splits the files into training and held-out files (by a hash of the path: stable),
+  2. trains a byte-level BPE tokenizer on the training files (`tokenizers`),
+  3. trains the target (`--config`, 1.4B parameters for `code-1b`) by next-token cross-entropy on
+     packed rows of whole files (attention never crosses a file boundary),
+  4. trains an EAGLE-3 draft on the frozen target's taps and distribution with the co-training
+     loss of `jspec.rl.draft_loss` (the training-time test),
+  5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
+     writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
+`launch/bench_rollout.py --trained RUN_DIR` then measures plain and speculative decoding on prompts
+from the held-out files.
+
+    python launch/train_code_lm.py --run-dir runs/code-1b                   # on a GPU
+    python launch/train_code_lm.py --config tiny model.vocab_size=512 --steps 4 --draft-steps 2 \
+        --batch 2 --seq-len 128 --max-bytes 2000000 --run-dir /tmp/code     # a CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import sysconfig
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jspec import config as config_lib
+from jspec.config import ConfigError
+from jspec.models import create, hf, hf_eagle3
+from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.rl.draft_loss import draft_loss
+
+EOS = "<eos>"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted config overrides")
+    p.add_argument("--config", default="code-1b")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--roots", nargs="*", help="folders of .py files (default: the stdlib and "
+                   "site-packages of this Python)")  # fmt: skip
+    p.add_argument("--max-bytes", type=int, default=200_000_000, help="corpus size cap")
+    p.add_argument("--heldout", type=int, default=20, help="one file in N is held out")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument("--draft-steps", type=int, default=300)
+    p.add_argument("--draft-learning-rate", type=float, default=1e-3)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--eval-batches", type=int, default=16)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus.
+
+
+def python_files(roots: list[str] | None, max_bytes: int) -> list[tuple[str, str]]:
+    """(path, text) of the .py files under `roots`, in path order, up to `max_bytes` in all."""
+    if not roots:
+        paths = sysconfig.get_paths()
+        roots = sorted({paths["stdlib"], paths["purelib"]})
+    files, total = [], 0
+    for root in roots:
+        for path in sorted(pathlib.Path(root).rglob("*.py")):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip() and total < max_bytes:
+                files.append((str(path), text))
+                total += len(text)
+    if not files:
+        raise ConfigError(f"no .py files under {roots}; pass --roots with folders of Python code.")
+    return files
+
+
+def split(files, heldout: int) -> tuple[list[str], list[str]]:
+    """Training and held-out texts: a file is held out when the hash of its path says so."""
+    out = ([], [])
+    for path, text in files:
+        out[zlib.crc32(path.encode()) % heldout == 0].append(text)
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
+    """A byte-level BPE tokenizer of `vocab_size` ids (the last is `EOS`), saved to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens([EOS])
+    if tok.get_vocab_size() != vocab_size:
+        raise ConfigError(
+            f"the corpus gives a tokenizer of {tok.get_vocab_size()} ids, not model.vocab_size="
+            f"{vocab_size}; use a larger corpus or a smaller vocabulary."
+        )
+    tok.save(str(path))
+    return tok
+
+
+def token_stream(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """All texts as one stream of ids, each file ended by EOS, and the file index of each id."""
+    eos = tok.token_to_id(EOS)
+    ids = [e.ids + [eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
+    doc = np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(ids)])
+    return np.concatenate([np.asarray(x, np.int32) for x in ids]), doc
+
+
+def rows(stream, doc, starts: np.ndarray, t: int) -> dict[str, jax.Array]:
+    """Packed rows of t ids from `starts`: segment ids number the files of a row from 1,
+    positions restart at each file's first id in the row."""
+    idx = starts[:, None] + np.arange(t)
+    d = doc[idx]
+    seg = d - d[:, :1] + 1
+    first = np.maximum.accumulate(np.where(np.diff(d, prepend=-1, axis=1) != 0, np.arange(t), 0),
+                                  axis=1)  # fmt: skip
+    batch = dict(tokens=stream[idx], segment_ids=seg, positions=np.arange(t) - first)
+    return {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training.
+
+
+def next_token_loss(logits, tokens, segment_ids) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy of each token's successor within its file, and the count."""
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]
+    return jnp.sum(jnp.where(same, nll, 0.0)), jnp.sum(same)
+
+
+def adamw(learning_rate: float, steps: int):
+    warmup = max(steps // 20, 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup, max(steps, warmup + 1)
+    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+
+
+def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, teacher=None):
+    """Trains the Params of `module` on `loss_fn(module, teacher, batch) -> (loss, metric)`, the
+    teacher (a module, or None) frozen; returns the trained module."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    teacher_def, teacher_state = nnx.split(teacher)
+    opt = adamw(learning_rate, steps)
+
+    @jax.jit  # the teacher's weights are an argument: as constants they would be compiled in
+    def step(params, opt_state, teacher_state, batch):
+        teacher = nnx.merge(teacher_def, teacher_state)
+        f = lambda p: loss_fn(nnx.merge(graphdef, p, rest), teacher, batch)
+        (loss, metric), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, metric
+
+    opt_state, start = opt.init(params), time.perf_counter()
+    for i in range(steps):
+        params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
+        if i % max(steps // 20, 1) == 0 or i == steps - 1:
+            print(f"{name} step {i:5d}  loss {float(loss):.4f}  {float(metric):.4f}  "
+                  f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
+    return nnx.merge(graphdef, params, rest)
+
+
+def target_loss(model, _, batch):
+    logits = model(batch["tokens"], batch["segment_ids"], batch["positions"])
+    total, count = next_token_loss(logits, batch["tokens"], batch["segment_ids"])
+    loss = total / jnp.maximum(count, 1)
+    return loss, loss
+
+
+def draft_loss_fn(ttt_steps: int):
+    """The co-training loss of the draft against the frozen target on one batch of rows."""
+
+    def loss(draft, target, batch):
+        tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+        logits, taps = target(tokens, seg, pos, taps=True)
+        embed = target.embed[...].astype(taps.dtype)
+        out = draft_loss(
+            draft, embed, taps, logits, tokens, seg, pos, seg != 0,
+            steps=ttt_steps, decay=0.8, temperature=1.0, chunk=512,
+        )  # fmt: skip
+        return out.loss, out.agreement
+
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and output.
+
+
+def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) -> dict:
+    """Held-out loss of the target and top-1 agreement of the draft's first step."""
+    (t_def, t_state), (d_def, d_state) = nnx.split(target), nnx.split(draft)
+
+    @jax.jit
+    def f(t_state, d_state, batch):
+        target, draft = nnx.merge(t_def, t_state), nnx.merge(d_def, d_state)
+        return target_loss(target, None, batch)[0], draft_loss_fn(ttt_steps)(draft, target, batch)
+
+    out = [f(t_state, d_state, batches(i)) for i in range(n)]
+    losses, agree = [float(t) for t, _ in out], [float(d[1]) for _, d in out]
+    nats = float(np.mean(losses))
+    return dict(
+        heldout_nats_per_token=nats,
+        heldout_bits_per_byte=nats / math.log(2) / bytes_per_token,
+        draft_top1_agreement=float(np.mean(agree)),
+        bytes_per_token=bytes_per_token,
+    )
+
+
+def sampler(stream, doc, t: int, batch: int, seed: int):
+    """batches(i): `batch` rows of t ids from random starts, the same for the same i."""
+    high = len(stream) - t
+    if high <= 0:
+        raise ConfigError(f"the corpus holds {len(stream)} tokens, fewer than --seq-len={t}.")
+    return lambda i: rows(stream, doc, np.random.default_rng([seed, i]).integers(0, high, batch), t)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = config_lib.load(args.config, args.overrides).model
+    run = pathlib.Path(args.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
+    tok = train_tokenizer(train_texts, cfg.vocab_size, run / "tokenizer.json")
+    train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
+    bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])
+    print(f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
+          f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
+          f"{bytes_per_token:.2f} bytes a token)", flush=True)  # fmt: skip
+    batches = sampler(*train, args.seq_len, args.batch, seed=0)
+    target = create(cfg)
+    print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
+          "parameters", flush=True)  # fmt: skip
+    target = fit(target, target_loss, batches, args.steps, args.learning_rate, "target")
+    draft = create_eagle3(Eagle3Config.for_target(cfg))
+    draft = fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
+                args.draft_learning_rate, "draft", teacher=target)  # fmt: skip
+    heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)
+    report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
+                      bytes_per_token)  # fmt: skip
+    report.update(args=vars(args), config=args.config, eos_token=EOS)
+    print(json.dumps(report, indent=2), flush=True)
+    hf.save(run / "target", target)
+    hf_eagle3.save(run / "draft", draft)
+    (run / "heldout.json").write_text(json.dumps(heldout_texts))
+    (run / "report.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
     # parameters
+    "stage": "stage",  # the leading axis of the pipeline's stacked stage weights (jspec.pipeline)
     "layers": None,
     "vocab": "tensor",
     "embed": None,

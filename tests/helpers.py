@@ -1,8 +1,9 @@
 """Helpers shared by the tests: one error measure, one goodness-of-fit test, the test drafts, the
-RL demo loop at test size."""
+RL demo loop at test size, HLO collectives."""
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,12 @@ def close(got, want, rtol=1e-5):
     assert got.shape == want.shape, (got.shape, want.shape)
     err, scale = np.abs(got - want).max(), np.abs(want).max()
     assert err <= rtol * scale, f"max abs diff {err} > {rtol} * {scale}"
+
+
+def close_trees(got, want, rtol=1e-5):
+    """`close` leaf by leaf, for pytrees of one structure."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        close(a, b, rtol)
 
 
 def chi_square_p_value(codes, joint) -> float:
@@ -129,3 +136,16 @@ def loop(run_dir, cache, *extra) -> list[dict]:
     train_rl.main(args)
     lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def collective_lines(hlo: str, op: str) -> list[str]:
+    """The `op` instructions ('collective-permute', 'all-gather', ...) of compiled HLO text, each
+    as '<result type> <source-target pairs or replica groups>', sorted (names, ids dropped)."""
+    out = []
+    for line in hlo.splitlines():
+        kind = re.search(rf"= (.*?) {op}(?:-start)?\(", line)
+        if kind is None:
+            continue
+        peers = re.search(r"(?:source_target_pairs|replica_groups)=([^ ]+?)(?:, |$)", line)
+        out.append(f"{kind.group(1)} {peers.group(1) if peers else ''}")
+    return sorted(out)

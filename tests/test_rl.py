@@ -13,7 +13,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import COMPARED, LOOP, close, count_dots, loop, random_rollouts
+from helpers import COMPARED, LOOP, close, close_trees, count_dots, loop, random_rollouts
 
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
@@ -89,9 +89,7 @@ def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp):
     (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1), loss_and_gradients(cp)
     close(dc, d1)
     close(pc, p1)
-    for name in ("policy", "draft"):
-        for a, b in zip(jax.tree.leaves(gc[name]), jax.tree.leaves(g1[name]), strict=True):
-            close(a, b)
+    close_trees(gc, g1)
 
 
 def test_draft_adds_only_its_own_dot_operations():

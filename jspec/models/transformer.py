@@ -239,6 +239,15 @@ def swiglu(h_BTD, w_gate, w_up, w_down):
     return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
+def remat_layer(body, remat: str, static_argnums=()):
+    """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
+    'dots' also the weight matmuls, 'none' everything."""
+    if remat == "none":
+        return body
+    policy = None if remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=static_argnums)
+
+
 # ---------------------------------------------------------------------------------------------
 # The KV cache.
 
@@ -456,12 +465,12 @@ class Transformer(nnx.Module):
                 self.mesh, mesh_lib.RULES["seq"], batch_axis=mesh_lib.RULES["batch"],
                 head_axis=mesh_lib.RULES["act_heads"],
             )  # fmt: skip
-            attend = lambda q, k, v: ring(q, k, v, segment_ids, positions, None)[0]
+            attend = lambda q, k, v, seg, pos: ring(q, k, v, seg, pos, None)[0]
         else:
-            attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
+            attend = attention
         x_BTD = self._embed(tokens, TRAIN_ACT)
         cos_sin = rope_angles(self.config, positions)
-        x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids != 0, taps)
+        x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids, positions, taps)
         logits = self._logits(x_BTD, TRAIN_ACT)
         if cp > 1:  # a misaligned document (known only under jit) marks its row with NaN
             logits = mark_misaligned(logits, natural_seg, cp)
@@ -484,8 +493,7 @@ class Transformer(nnx.Module):
         not fused back into the loop; the weights are held twice while the copy lives.
         """
         model = nnx.merge(*nnx.split(self))
-        layers = [self._layer(i) for i in range(self.config.num_layers)]
-        graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
+        graphdefs, states = zip(*(nnx.split(layer) for layer in self._layers()), strict=True)
         states = jax.lax.optimization_barrier(list(states))
         model.unstacked = nnx.List(map(nnx.merge, graphdefs, states))
         return model
@@ -621,22 +629,22 @@ class Transformer(nnx.Module):
                 runs.append((name, j, j + 1))
         return runs
 
-    def _scan(self, x_BTD, cos_sin, attend, valid_BT, taps: bool):
+    def _scan(self, x_BTD, cos_sin, attend, segment_ids, positions, taps: bool):
         """All layers by `lax.scan` under the remat policy, one scan per run of layers of one stack,
-        cut where a tap is taken. Returns the output, the taps and the summed `RouterStats` (None
-        without sparse layers)."""
+        cut where a tap is taken; `attend(q, k, v, segment_ids, positions)` is the training
+        attention (the pipelined model, `jspec.pipeline`, calls it per microbatch). Returns the
+        output, the taps and the summed `RouterStats` (None without sparse layers)."""
         stacks = self._stacks()
+        layer_attend = lambda q, k, v: attend(q, k, v, segment_ids, positions)
+        valid_BT = segment_ids != 0
 
         def body(graphdef, x, state_i):
             x = self._constrain(x, (*TRAIN_ACT, "act_embed"))
-            x, _, stats = nnx.merge(graphdef, state_i)(x, cos_sin, attend, TRAIN_ACT, valid_BT)
+            layer = nnx.merge(graphdef, state_i)
+            x, _, stats = layer(x, cos_sin, layer_attend, TRAIN_ACT, valid_BT)
             return x, stats
 
-        remat = self.config.remat
-        if remat != "none":
-            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            policy = None if remat == "full" else policy
-            body = jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=(0,))
+        body = remat_layer(body, self.config.remat, static_argnums=(0,))
         cuts = sorted(self.config.taps) if taps else []
         entering, start, stats = {}, 0, []
         for stop in [*cuts, self.config.num_layers]:
@@ -650,11 +658,14 @@ class Transformer(nnx.Module):
         total = jax.tree.map(lambda *y: sum(y), *stats) if stats else None
         return x_BTD, [entering[t] for t in self.config.taps] if taps else [], total
 
-    def _layer(self, i: int) -> Block:
-        """Decoder layer i, as static slices of its stack."""
-        ((name, j, _),) = self._runs(i, i + 1)
-        graphdef, state = nnx.split(getattr(self, name))
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
+    def _layers(self) -> list[Block]:
+        """Every decoder layer in order, as static slices of the stacks (`_stacks`)."""
+        stacks, layers = self._stacks(), []
+        for i in range(self.config.num_layers):
+            ((name, j, _),) = self._runs(i, i + 1)
+            graphdef, state = stacks[name]
+            layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state)))
+        return layers
 
     def _unrolled(self, x_BTD, cos_sin, attend, taps: bool):
         """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V.
@@ -662,9 +673,9 @@ class Transformer(nnx.Module):
         `attend(i, q, k, v)` gets the layer index, to read layer i of a cache.
         """
         entering, ks, vs = {}, [], []
-        for i in range(self.config.num_layers):
+        layers = self._layers() if self.unstacked is None else self.unstacked
+        for i, layer in enumerate(layers):
             x_BTD = entering[i] = self._constrain(x_BTD, (*ROLLOUT_ACT, "act_embed"))
-            layer = self._layer(i) if self.unstacked is None else self.unstacked[i]
             x_BTD, (k, v), _ = layer(x_BTD, cos_sin, functools.partial(attend, i), ROLLOUT_ACT)
             ks.append(k)
             vs.append(v)

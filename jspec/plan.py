@@ -42,7 +42,7 @@ from jspec.config import ConfigError, RLConfig
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft
 from jspec.models.transformer import Transformer
 from jspec.rl.packing import PackedBatch
-from jspec.rl.state import Networks, TrainState, optimizer, trained_groups
+from jspec.rl.state import Networks, TrainState, moment_shardings, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import rollout
 
@@ -180,13 +180,8 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
     tx = optimizer(rl, trained, rl.learning_rate)
     trainable = {k: params[k] for k in trained}
     replicated = NamedSharding(mesh, PartitionSpec())
-    # Moments are placed like their parameters (as the real jitted init places them); scalars
-    # such as the step count are replicated over the mesh, as `init_state` does.
-    opt_shardings = jax.tree.map(
-        lambda sh: sh if isinstance(sh, NamedSharding) else replicated,
-        jax.jit(tx.init).lower(trainable).compile().output_shardings,
-    )
-    opt_state = _placed(jax.eval_shape(tx.init, trainable), opt_shardings)
+    abstract = jax.eval_shape(tx.init, trainable)  # placed as `init_state` places it
+    opt_state = _placed(abstract, moment_shardings(abstract, trainable, mesh))
     scalar = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     state = TrainState(params, opt_state, None, scalar((), jnp.int32), scalar((2,), jnp.uint32))
     row_sharding = NamedSharding(mesh, PartitionSpec(mesh_lib.RULES["batch"]))

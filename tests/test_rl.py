@@ -92,6 +92,21 @@ def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp):
     close_trees(gc, g1)
 
 
+def test_optimizer_moments_are_placed_as_their_parameters():
+    """Adam's moments of a parameter split over the mesh are split the same way, not replicated
+    (a plain jit of the optimizer's init leaves them on one device)."""
+    mesh = mesh_lib.make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    nets, params = networks(mesh)
+    trained = trained_groups("cotrain", True)
+    state = init_state(nets, params, optimizer(RL, trained, 1e-3), trained, seed=0, reference=False)
+    split = [x for x in jax.tree.leaves(state.params) if not x.sharding.is_fully_replicated]
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert split and len(moments) == 2 * len(jax.tree.leaves(state.params))
+    for param in split:
+        twins = [m for m in moments if m.shape == param.shape and m.sharding == param.sharding]
+        assert len(twins) >= 2, (param.shape, param.sharding)
+
+
 def test_draft_adds_only_its_own_dot_operations():
     """dots(step with draft) = dots(step without) + dots(draft loss and its gradient)."""
     batch = packed(align=2)

@@ -121,15 +121,42 @@ def init_state(
     """A fresh TrainState (step 0) around `params`: parameters placed by the logical-axis rules,
     optimizer moments like their parameters, everything else replicated over the mesh (so every
     train step and rollout sees one placement and compiles once)."""
-    if networks.mesh is not None:
+    trainable = {k: params[k] for k in trained}
+    if networks.mesh is None:
+        opt_state = jax.jit(tx.init)(trainable)
+    else:
         params = jax.device_put(params, networks.shardings(params))
-    opt_state = jax.jit(tx.init)({k: params[k] for k in trained})
+        trainable = {k: params[k] for k in trained}
+        shardings = moment_shardings(jax.eval_shape(tx.init, trainable), trainable, networks.mesh)
+        opt_state = jax.jit(tx.init, out_shardings=shardings)(trainable)
     ref = jax.tree.map(jnp.copy, params["policy"]) if reference else None
     rng = jax.random.key_data(jax.random.key(seed))
     state = TrainState(params, opt_state, ref, jnp.int32(0), rng)
     if networks.mesh is None:
         return state
     return jax.device_put(state, placement(state, networks.mesh))
+
+
+def moment_shardings(opt_state, params, mesh: Mesh):
+    """Shardings of an optimizer state: a leaf reached by a parameter's path (its suffix) with the
+    parameter's shape, such as Adam's moments, is placed as that parameter; the rest replicated.
+
+    A plain `jit(tx.init)` leaves the moments' zeros on one device: they depend on no input, so
+    nothing carries the parameters' placement to them, and placing them afterwards replicated
+    would hold two copies of the weights' size on every device."""
+    names = lambda path: tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    placed = {names(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(path, leaf):
+        keys = names(path)
+        for start in range(len(keys)):
+            param = placed.get(keys[start:])
+            if param is not None and param.shape == leaf.shape:
+                return param.sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(place, opt_state)
 
 
 def placement(state: TrainState, mesh: Mesh):

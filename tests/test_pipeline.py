@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import close, close_trees, collective_lines, random_rollouts
+from helpers import COMPARED, close, close_trees, collective_lines, loop, random_rollouts
 
 from jspec import mesh as mesh_lib
 from jspec.config import (
@@ -193,3 +193,18 @@ def test_microbatches_that_do_not_cut_the_batch_are_named_before_compiling():
     model = nnx.eval_shape(make)
     with pytest.raises(ConfigError, match="pipeline.microbatches=3"):
         nnx.eval_shape(lambda m: m(TOKENS), model)
+
+
+@pytest.mark.slow
+def test_rl_demo_on_a_pipelined_policy_equals_unpipelined(tmp_path, compilation_cache):
+    """The demo loop (warm start, rollouts, co-training steps) with `pipeline.stages=2` over a
+    stage x data mesh gives the metrics of the same loop unpipelined."""
+    short = ("model.num_layers=4", "rl.steps=2", "rl.sft_steps=4")
+    plain = loop(tmp_path / "plain", compilation_cache, *short)
+    piped = loop(
+        tmp_path / "piped", compilation_cache, *short, "mesh.stage=2", "pipeline.stages=2",
+        "pipeline.microbatches=2",
+    )  # fmt: skip
+    for a, b in zip(plain, piped, strict=True):
+        for key in COMPARED:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-5, err_msg=key)

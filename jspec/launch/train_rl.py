@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jspec import config as config_lib
-from jspec import hosts
+from jspec import hosts, pipeline
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
 from jspec.models import create
@@ -84,6 +84,11 @@ class Run:
             )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
         self.rl.check_rollout(cfg.rollout)
+        if self.rl.rollout_mesh is not None and cfg.pipeline.stages > 1:
+            raise ConfigError(
+                "rl.rollout_mesh (asynchronous RL) with a pipelined policy is not supported yet: "
+                "the sampler's weights would need the layer order; set pipeline.stages=1."
+            )
         if self.rl.rollout_mesh is not None and jax.process_count() > 1:
             raise ConfigError(
                 "rl.rollout_mesh (asynchronous RL) runs in one process for now; on several hosts "
@@ -109,8 +114,13 @@ class Run:
         self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
 
     def _build(self, mesh) -> tuple[Networks, dict]:
-        """(Networks, params) of the policy and the draft created on `mesh`."""
-        policy = create(self.cfg.model, mesh=mesh, seed=self.cfg.seed)
+        """(Networks, params) of the policy and the draft created on `mesh`; the policy
+        pipelined over the mesh's stage axis when the config asks for stages."""
+        cfg = self.cfg
+        if cfg.pipeline.stages > 1:
+            policy = pipeline.create(cfg.model, cfg.pipeline, mesh=mesh, seed=cfg.seed)
+        else:
+            policy = create(cfg.model, mesh=mesh, seed=cfg.seed)
         draft = None
         if self.mode != "none":
             draft = draft_from_config(self.cfg.rollout.draft, policy, mesh=mesh)

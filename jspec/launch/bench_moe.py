@@ -58,6 +58,31 @@ def parse_args(argv=None):
     return args
 
 
+def layer_fn(config, mesh):
+    """(state, forward(state, x) -> y) of one layer, its weights placed on `mesh`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jspec.attention import attention
+    from jspec.models.transformer import TRAIN_ACT, Block, param_shardings, rope_angles
+
+    block = Block(config, 1, rngs=nnx.Rngs(0), sparse=bool(config.num_experts), mesh=mesh)
+    graphdef, state = nnx.split(block)
+    if mesh is not None:
+        state = jax.device_put(state, param_shardings(state, mesh))
+
+    def forward(state, x_BTD):
+        b, t = x_BTD.shape[:2]
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        seg = jnp.ones((b, t), jnp.int32)
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+        attend = lambda q, k_, v: attention(q, k_, v, seg, pos)  # noqa: E731
+        return layer(x_BTD, rope_angles(config, pos), attend, TRAIN_ACT, seg > 0)[0]
+
+    return state, forward
+
+
 def timed(fn, iters: int, *inputs):
     """(ms per call, output) of jit(fn), after one call that compiles."""
     import jax
@@ -118,13 +143,10 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from jspec import config as config_lib
-    from jspec.attention import attention
     from jspec.config import MeshConfig
     from jspec.mesh import make_mesh, sharding
-    from jspec.models.transformer import TRAIN_ACT, Block, param_shardings, rope_angles
 
     if args.device == "gpu":
         check_grouped_matmul()
@@ -139,23 +161,6 @@ def main(argv=None):
     )
     dtype = jnp.dtype(c.dtype)
     d = c.hidden_size
-
-    def layer_fn(config, mesh):
-        """(state, forward(state, x) -> y) of one layer, its weights placed on `mesh`."""
-        block = Block(config, 1, rngs=nnx.Rngs(0), sparse=bool(config.num_experts), mesh=mesh)
-        graphdef, state = nnx.split(block)
-        if mesh is not None:
-            state = jax.device_put(state, param_shardings(state, mesh))
-
-        def forward(state, x_BTD):
-            b, t = x_BTD.shape[:2]
-            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            seg = jnp.ones((b, t), jnp.int32)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-            attend = lambda q, k_, v: attention(q, k_, v, seg, pos)  # noqa: E731
-            return layer(x_BTD, rope_angles(config, pos), attend, TRAIN_ACT, seg > 0)[0]
-
-        return state, forward
 
     rng = np.random.default_rng(0)
     most = max([p for p in args.ep if p <= len(devices)] + [1])

@@ -18,11 +18,34 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import time
 import traceback
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.attention import attention, blocks, pallas_gpu, reference_attention
+from jspec.attention.pallas_gpu import Tile
+
+# Correctness cases of the self-attention check: (head dim, dtype).
+CASES = ((128, jnp.bfloat16), (128, jnp.float32), (64, jnp.bfloat16))
+# The tile sweep: candidates per kernel, swept in this order (each sweep starts from the winners
+# of the ones before it).
+SWEEP = {
+    "fwd": (Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 128, 8, 2), Tile(128, 64, 4, 3),
+            Tile(64, 64, 4, 3)),
+    "dkdv": (Tile(64, 128, 8, 2), Tile(32, 128, 8, 3), Tile(64, 128, 8, 3), Tile(32, 128, 4, 3),
+             Tile(64, 64, 4, 3)),
+    "dq": (Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 3), Tile(128, 128, 8, 2),
+           Tile(64, 64, 4, 3)),
+}  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -40,23 +63,352 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):  # noqa: C901 - one linear script
-    args = parse_args(argv)
-    start = time.time()
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+@dataclasses.dataclass
+class Run:
+    """The report, the file it goes to and the time budget. Every row is written at once, so a run
+    cut short still leaves its results."""
 
-    from jspec.attention import attention, blocks, pallas_gpu, reference_attention
-    from jspec.attention.pallas_gpu import Tile
+    args: argparse.Namespace
+    start: float
+    path: str
+    report: dict
 
-    path = args.json or os.path.join(os.environ.get("OUT", "."), "check_gpu_attention.json")
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.report, f, indent=1)
+
+    def left(self):
+        """Seconds left of --budget; later steps are skipped when it runs low."""
+        return self.args.budget - (time.time() - self.start)
+
+    def add(self, section, row, prefix=""):
+        """Appends `row` to the report's `section`, prints it and writes the file."""
+        self.report[section].append(row)
+        print(prefix + json.dumps(row))
+        self.save()
+
+
+def require_gpu():
+    """The first device; exits at once with a clear message where it is not a GPU (the kernel
+    compiles for nothing else)."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         raise SystemExit(
             f"check_gpu_attention needs an NVIDIA GPU, but JAX sees {dev.platform} "
             f"({dev.device_kind}); run it on a GPU machine with jax[cuda] installed."
         )
+    return dev
+
+
+def packed(rng, b, t, mean, pad_tail):
+    """Rows of documents of random lengths (multiples of 8), then `pad_tail` padding tokens."""
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for r in range(b):
+        s, doc = 0, 1
+        while s < t - pad_tail:
+            n = min(8 * int(rng.integers(1, max(2, mean // 4))), t - pad_tail - s)
+            seg[r, s : s + n], pos[r, s : s + n] = doc, np.arange(n)
+            s, doc = s + n, doc + 1
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def normal(rng, shape, dtype):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+def err(x, ref):
+    """max|x-ref| / max|ref|, in float32."""
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def grad_errs(grads, refs):
+    """`err` of each of (dq, dk, dv), by name."""
+    return {n: err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, refs, strict=True)}
+
+
+def failed(e):
+    """Prints the traceback and returns the error for the report: a failure is a row, the run
+    goes on."""
+    traceback.print_exc()
+    return repr(e)[:500]
+
+
+def reference(q, k, v, seg, pos):
+    """`reference_attention` in float32 at full matmul precision: what the kernel must match."""
+    with jax.default_matmul_precision("highest"):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return reference_attention(*f32, seg, pos)
+
+
+def check_attention(rng, d, dtype):
+    """The row of `attention(impl="pallas")` against `reference` on packed rows with padding and
+    GQA: output and gradients within the dtype's limit, and zeros at the padding."""
+    b, t, hq, hkv = 2, 1024, 8, 2
+    name = f"self-attn packed+pad B={b} T={t} {hq}/{hkv} D={d} {jnp.dtype(dtype).name}"
+    limit = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    try:
+        seg, pos = packed(rng, b, t, 300, 40)
+        q = normal(rng, (b, t, hq, d), dtype)
+        k, v = normal(rng, (b, t, hkv, d), dtype), normal(rng, (b, t, hkv, d), dtype)
+        ct = normal(rng, (b, t, hq, d), jnp.float32)
+
+        def loss(fn):
+            def f(q_, k_, v_):
+                return jnp.sum(fn(q_, k_, v_, seg, pos).astype(jnp.float32) * ct)
+
+            return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+        ours = functools.partial(attention, impl="pallas")
+        out = jax.jit(ours)(q, k, v, seg, pos)
+        out_ref = jax.jit(reference)(q, k, v, seg, pos)
+        _, grads = loss(ours)(q, k, v)
+        _, grads_ref = loss(reference)(q, k, v)
+        errs = {"out": err(out, out_ref), **grad_errs(grads, grads_ref)}
+        pad_zero = bool(jnp.all(jnp.where((seg == 0)[..., None, None], out, 0) == 0))
+        ok = max(errs.values()) < limit and pad_zero
+    except Exception as e:  # noqa: BLE001 - report every failure, go on
+        errs, ok, pad_zero = {"error": failed(e)}, False, None
+    return {"case": name, "limit": limit, "ok": ok, "padding_out_zero": pad_zero, **errs}
+
+
+def check_blocks(rng):
+    """The row of block-level `pallas_gpu.fwd`/`bwd` against `blocks.fwd`/`bwd`, float32, cross
+    attention against keys in shuffled chunks: what a ring step hands the kernel."""
+    try:
+        seg, pos = packed(rng, 1, 512, 120, 16)
+        perm = np.concatenate([np.arange(c * 64, c * 64 + 64) for c in (5, 0, 7, 2, 1, 6, 3, 4)])
+        k_seg, k_pos = seg[:, perm], pos[:, perm]
+        q_seg, q_pos = seg[:, 128:384], pos[:, 128:384]
+        q = normal(rng, (1, 256, 4, 64), jnp.float32)
+        k, v = normal(rng, (1, 512, 1, 64), jnp.float32), normal(rng, (1, 512, 1, 64), jnp.float32)
+        a = (q, k, v, q_seg, q_pos, k_seg, k_pos)
+        kw = dict(scale=0.125, block_q=64, block_k=64)
+        with jax.default_matmul_precision("highest"):
+            o_ref, lse_ref = jax.jit(lambda *a: blocks.fwd(*a, **kw))(*a)
+            do = normal(rng, o_ref.shape, jnp.float32)
+            delta = jnp.sum(do * o_ref, -1)
+            g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*a, lse_ref, do, delta)
+        o, lse = jax.jit(lambda *a: pallas_gpu.fwd(*a, **kw))(*a)
+        g = jax.jit(lambda *a: pallas_gpu.bwd(*a, **kw))(*a, lse_ref, do, delta)
+        fin = jnp.isfinite(lse_ref)
+        errs = {
+            "out": err(o, o_ref),
+            "lse_abs": float(jnp.max(jnp.abs(jnp.where(fin, lse - lse_ref, 0)))),
+            "lse_inf_match": bool(jnp.all(jnp.isfinite(lse) == fin)),
+            **grad_errs(g, g_ref),
+        }
+        ok = max(v for v in errs.values() if not isinstance(v, bool)) < 1e-4
+        ok = ok and errs["lse_inf_match"]
+    except Exception as e:  # noqa: BLE001
+        errs, ok = {"error": failed(e)}, False
+    return {"case": "blocks fwd/bwd, keys out of order, f32", "limit": 1e-4, "ok": ok, **errs}
+
+
+def check_correctness(run, rng):
+    """Section 1: every correctness row, PASS or FAIL, before any timing."""
+    checks = [functools.partial(check_attention, rng, d, dtype) for d, dtype in CASES]
+    for check in [*checks, functools.partial(check_blocks, rng)]:
+        row = check()
+        run.add("correctness", row, "PASS " if row["ok"] else "FAIL ")
+
+
+class Inputs(NamedTuple):
+    """What every timed variant runs on: bf16 q, k, v and a cotangent at B=1; the (segments,
+    positions) of one causal row and of packed documents; FLOPs of each, visible pairs only."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    ct: jax.Array
+    causal: tuple[jax.Array, jax.Array]
+    docs: tuple[jax.Array, jax.Array]
+    causal_flops: float
+    doc_flops: float
+
+    @property
+    def scale(self):
+        return self.q.shape[-1] ** -0.5
+
+
+def timing_inputs(args, rng):
+    """The `Inputs` of section 2 at the command line's shape; documents of about 4K tokens."""
+    b, t, hq, hkv, d = 1, args.seq, args.heads, args.kv_heads, args.head_dim
+    dtype = jnp.bfloat16
+    q = normal(rng, (b, t, hq, d), dtype)
+    k, v = normal(rng, (b, t, hkv, d), dtype), normal(rng, (b, t, hkv, d), dtype)
+    ct = normal(rng, (b, t, hq, d), dtype)
+    causal = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    docs = packed(rng, b, t, 4096, 0)  # documents of about 4K tokens on average
+    lengths = np.bincount(np.asarray(docs[0][0]))[1:]
+
+    def flops(seg_lengths):
+        return 4 * b * hq * d * sum(int(n) * (int(n) + 1) / 2 for n in seg_lengths)
+
+    print(f"packed: {len(lengths)} documents, mean {lengths.mean():.0f} tokens")
+    return Inputs(q, k, v, ct, causal, docs, flops([t]), flops(lengths))
+
+
+def bench(fn, xs, iters):
+    """Mean ms per call over `iters` calls after one warm-up; the compile time."""
+    f = jax.jit(fn)
+    c0 = time.perf_counter()
+    jax.block_until_ready(f(*xs))
+    compile_s = time.perf_counter() - c0
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(*xs)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iters, compile_s
+
+
+def fwd_bwd(attn, ct):
+    """The gradients of <attn(q, k, v), ct> in q, k, v: one forward and its backward."""
+
+    def loss(q, k, v):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def kernel_fwd(tiles, seg, pos, scale):
+    """The forward kernel alone (its output, not the log-sum-exp) with these tiles, self-attention
+    under (seg, pos)."""
+    return lambda q, k, v: pallas_gpu.fwd(q, k, v, seg, pos, seg, pos, scale=scale, tiles=tiles)[0]
+
+
+def timed(run, name, fwd_fn, fb_fn, n_flops, xs):
+    """One row of the table: ms, compile s and TFLOP/s of the forward and of forward+backward (the
+    backward counted as 2.5 forwards). A part is skipped with under 20 s of the budget left."""
+    row = {"name": name}
+    for key, fn in (("fwd", fwd_fn), ("fwd_bwd", fb_fn)):
+        if run.left() < 20:
+            continue
+        try:
+            ms, cs = bench(fn, xs, run.args.iters)
+            scale = 1.0 if key == "fwd" else 3.5
+            row[f"{key}_ms"], row[f"{key}_compile_s"] = ms, cs
+            row[f"{key}_tflops"] = scale * n_flops / ms / 1e9
+        except Exception as e:  # noqa: BLE001
+            row[f"{key}_error"] = failed(e)
+    run.add("timing", row)
+    return row
+
+
+def sweep_kernel(run, tiles, kind, make, xs):
+    """`tiles` with the fastest of SWEEP[kind] for that kernel (`make(tiles)` times it); stops while
+    --reserve seconds are left, for the comparison after it."""
+    best = None
+    for tile in SWEEP[kind]:
+        if run.left() < run.args.reserve:
+            break
+        tl = tiles._replace(**{kind: tile})
+        row = {"kernel": kind, "tile": tile._asdict()}
+        try:
+            row["ms"], row["compile_s"] = bench(make(tl), xs, run.args.iters)
+            if best is None or row["ms"] < best[0]:
+                best = (row["ms"], tile)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:300]
+        run.add("sweep", row)
+    return tiles if best is None else tiles._replace(**{kind: best[1]})
+
+
+def sweep_tiles(run, x):
+    """The tile sweep on the causal row: the forward kernel alone, then the two backward kernels
+    (given the forward's lse). Returns the best tiles found, starting from `pallas_gpu.TILES`."""
+    causal = (*x.causal, *x.causal)
+    xs = (x.q, x.k, x.v)
+    o, lse = jax.jit(lambda q, k, v: pallas_gpu.fwd(q, k, v, *causal, scale=x.scale))(*xs)
+    delta = jnp.sum(x.ct.astype(jnp.float32) * o, -1)
+
+    def kernel_bwd(tl):
+        return lambda q, k, v: pallas_gpu.bwd(
+            q, k, v, *causal, lse, x.ct, delta, scale=x.scale, tiles=tl
+        )
+
+    makes = {
+        "fwd": lambda tl: kernel_fwd(tl, *x.causal, x.scale),
+        "dkdv": kernel_bwd,
+        "dq": kernel_bwd,
+    }
+    tiles = pallas_gpu.TILES
+    for kind, make in makes.items():
+        tiles = sweep_kernel(run, tiles, kind, make, xs)
+    run.report["best_tiles"] = [t._asdict() for t in tiles]
+    print("best tiles:", tiles)
+    return tiles
+
+
+def compare(run, x, tiles):
+    """The rows of the table: cuDNN and the kernel on the causal row, the kernel on packed
+    documents, and (unless --no-xla) the XLA block path on the same documents."""
+    xs = (x.q, x.k, x.v)
+
+    def lib(impl, seg, pos):
+        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl)
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    rows = [timed(run, "cudnn causal", cudnn, fwd_bwd(cudnn, x.ct), x.causal_flops, xs)]
+    for name, (seg, pos), n_flops in (
+        ("pallas causal", x.causal, x.causal_flops),
+        ("pallas packed docs", x.docs, x.doc_flops),
+    ):
+        fwd_fn = kernel_fwd(tiles, seg, pos, x.scale)
+        rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
+    if not run.args.no_xla:
+        xla = lib("xla", *x.docs)
+        rows.append(
+            timed(run, "attention(impl=xla) packed", xla, fwd_bwd(xla, x.ct), x.doc_flops, xs)
+        )
+    return rows
+
+
+def print_table(run, x, rows):
+    """The correctness rows and the timing table, after everything ran."""
+    (b, t, hq, d), hkv = x.q.shape, x.k.shape[2]
+    print()
+    print(f"{run.report['device']}, jax {jax.__version__}, B={b} T={t} H={hq}/{hkv} D={d} bf16")
+    print("correctness:")
+    for r in run.report["correctness"]:
+        e = {k_: v_ for k_, v_ in r.items() if k_ not in ("case", "limit", "ok")}
+        print(f"  {'PASS' if r['ok'] else 'FAIL'} {r['case']}: {e}")
+    print(f"{'path':32} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
+    for r in rows:
+        print(
+            f"{r['name']:32} {r.get('fwd_ms', float('nan')):>9.2f} "
+            f"{r.get('fwd_tflops', float('nan')):>8.1f} {r.get('fwd_bwd_ms', float('nan')):>11.2f} "
+            f"{r.get('fwd_bwd_tflops', float('nan')):>8.1f}"
+        )
+
+
+def summarize(rows):
+    """Speed-ups of the kernel: cuDNN's ms over its ms on the causal row, the XLA path's over its
+    on documents. Where a time is missing (a part skipped or failed) its ratio is left out, and
+    the causal fwd ratio with the fwd+bwd one."""
+    by = {r["name"]: r for r in rows}
+
+    def ratio(key, theirs, ours):
+        return by[theirs][key] / by[ours][key]
+
+    summary = {}
+    with contextlib.suppress(KeyError):
+        summary["causal_fwd_bwd_vs_cudnn"] = ratio("fwd_bwd_ms", "cudnn causal", "pallas causal")
+        summary["causal_fwd_vs_cudnn"] = ratio("fwd_ms", "cudnn causal", "pallas causal")
+    with contextlib.suppress(KeyError):
+        summary["packed_fwd_bwd_speedup_vs_xla"] = ratio(
+            "fwd_bwd_ms", "attention(impl=xla) packed", "pallas packed docs"
+        )
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.time()
+    path = args.json or os.path.join(os.environ.get("OUT", "."), "check_gpu_attention.json")
+    dev = require_gpu()
     report = {
         "args": vars(args),
         "jax": jax.__version__,
@@ -67,296 +419,19 @@ def main(argv=None):  # noqa: C901 - one linear script
         "timing": [],
         "sweep": [],
     }
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-
-    def left():
-        return args.budget - (time.time() - start)
-
+    run = Run(args, start, path, report)
     print(f"jax {jax.__version__}, {dev.device_kind}, pallas available: {report['available']}")
     rng = np.random.default_rng(0)
-
-    def packed(b, t, mean, pad_tail):
-        """Rows of documents of random lengths (multiples of 8), then `pad_tail` padding tokens."""
-        seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-        for r in range(b):
-            s, doc = 0, 1
-            while s < t - pad_tail:
-                n = min(8 * int(rng.integers(1, max(2, mean // 4))), t - pad_tail - s)
-                seg[r, s : s + n], pos[r, s : s + n] = doc, np.arange(n)
-                s, doc = s + n, doc + 1
-        return jnp.asarray(seg), jnp.asarray(pos)
-
-    def normal(shape, dtype):
-        return jnp.asarray(rng.normal(size=shape), dtype)
-
-    def err(x, ref):
-        x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
-        return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
-
-    # ------------------------------------------------------------------------------------------
-    # 1. Correctness.
-    b, t, hq, hkv = 2, 1024, 8, 2
-    for d, dtype in ((128, jnp.bfloat16), (128, jnp.float32), (64, jnp.bfloat16)):
-        name = f"self-attn packed+pad B={b} T={t} {hq}/{hkv} D={d} {jnp.dtype(dtype).name}"
-        limit = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-        try:
-            seg, pos = packed(b, t, 300, 40)
-            q = normal((b, t, hq, d), dtype)
-            k, v = normal((b, t, hkv, d), dtype), normal((b, t, hkv, d), dtype)
-            ct = normal((b, t, hq, d), jnp.float32)
-
-            def loss(fn, seg=seg, pos=pos, ct=ct):
-                def f(q_, k_, v_):
-                    return jnp.sum(fn(q_, k_, v_, seg, pos).astype(jnp.float32) * ct)
-
-                return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
-
-            def ref(q, k, v, seg, pos):
-                with jax.default_matmul_precision("highest"):
-                    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-                    return reference_attention(*f32, seg, pos)
-
-            ours = functools.partial(attention, impl="pallas")
-            out = jax.jit(ours)(q, k, v, seg, pos)
-            out_ref = jax.jit(ref)(q, k, v, seg, pos)
-            _, grads = loss(ours)(q, k, v)
-            _, grads_ref = loss(ref)(q, k, v)
-            errs = {"out": err(out, out_ref)}
-            for n, g, r in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
-                errs[n] = err(g, r)
-            pad_zero = bool(jnp.all(jnp.where((seg == 0)[..., None, None], out, 0) == 0))
-            ok = max(errs.values()) < limit and pad_zero
-        except Exception as e:  # noqa: BLE001 - report every failure, go on
-            traceback.print_exc()
-            errs, ok, pad_zero = {"error": repr(e)[:500]}, False, None
-        row = {"case": name, "limit": limit, "ok": ok, "padding_out_zero": pad_zero, **errs}
-        report["correctness"].append(row)
-        print(("PASS " if ok else "FAIL ") + json.dumps(row))
-        save()
-
-    # Block level, cross attention against keys in shuffled chunks (a ring step), float32.
-    try:
-        seg, pos = packed(1, 512, 120, 16)
-        perm = np.concatenate([np.arange(c * 64, c * 64 + 64) for c in (5, 0, 7, 2, 1, 6, 3, 4)])
-        k_seg, k_pos = seg[:, perm], pos[:, perm]
-        q_seg, q_pos = seg[:, 128:384], pos[:, 128:384]
-        q = normal((1, 256, 4, 64), jnp.float32)
-        k, v = normal((1, 512, 1, 64), jnp.float32), normal((1, 512, 1, 64), jnp.float32)
-        a = (q, k, v, q_seg, q_pos, k_seg, k_pos)
-        kw = dict(scale=0.125, block_q=64, block_k=64)
-        with jax.default_matmul_precision("highest"):
-            o_ref, lse_ref = jax.jit(lambda *a: blocks.fwd(*a, **kw))(*a)
-            do = normal(o_ref.shape, jnp.float32)
-            delta = jnp.sum(do * o_ref, -1)
-            g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*a, lse_ref, do, delta)
-        o, lse = jax.jit(lambda *a: pallas_gpu.fwd(*a, **kw))(*a)
-        g = jax.jit(lambda *a: pallas_gpu.bwd(*a, **kw))(*a, lse_ref, do, delta)
-        fin = jnp.isfinite(lse_ref)
-        errs = {
-            "out": err(o, o_ref),
-            "lse_abs": float(jnp.max(jnp.abs(jnp.where(fin, lse - lse_ref, 0)))),
-            "lse_inf_match": bool(jnp.all(jnp.isfinite(lse) == fin)),
-            **{n: err(x, y) for n, x, y in zip(("dq", "dk", "dv"), g, g_ref, strict=True)},
-        }
-        ok = max(v for v in errs.values() if not isinstance(v, bool)) < 1e-4
-        ok = ok and errs["lse_inf_match"]
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        errs, ok = {"error": repr(e)[:500]}, False
-    row = {"case": "blocks fwd/bwd, keys out of order, f32", "limit": 1e-4, "ok": ok, **errs}
-    report["correctness"].append(row)
-    print(("PASS " if ok else "FAIL ") + json.dumps(row))
-    save()
-
-    # ------------------------------------------------------------------------------------------
-    # 2. Timing.
-    b, t, hq, hkv, d = 1, args.seq, args.heads, args.kv_heads, args.head_dim
-    dtype = jnp.bfloat16
-    q = normal((b, t, hq, d), dtype)
-    k, v = normal((b, t, hkv, d), dtype), normal((b, t, hkv, d), dtype)
-    ct = normal((b, t, hq, d), dtype)
-    causal_seg = jnp.ones((b, t), jnp.int32)
-    causal_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    doc_seg, doc_pos = packed(b, t, 4096, 0)  # documents of about 4K tokens on average
-    lengths = np.bincount(np.asarray(doc_seg[0]))[1:]
-
-    def flops(seg_lengths):
-        return 4 * b * hq * d * sum(int(n) * (int(n) + 1) / 2 for n in seg_lengths)
-
-    causal_flops, doc_flops = flops([t]), flops(lengths)
-    print(f"packed: {len(lengths)} documents, mean {lengths.mean():.0f} tokens")
-
-    def bench(fn, *xs):
-        """Mean ms per call over args.iters calls after one warm-up; the compile time."""
-        f = jax.jit(fn)
-        c0 = time.perf_counter()
-        jax.block_until_ready(f(*xs))
-        compile_s = time.perf_counter() - c0
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = f(*xs)
-        jax.block_until_ready(out)
-        return 1e3 * (time.perf_counter() - t0) / args.iters, compile_s
-
-    def fwd_bwd(attn):
-        def loss(q, k, v):
-            return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
-
-        return jax.grad(loss, argnums=(0, 1, 2))
-
-    def timed(name, fwd_fn, fb_fn, n_flops, xs):
-        row = {"name": name}
-        for key, fn in (("fwd", fwd_fn), ("fwd_bwd", fb_fn)):
-            if fn is None or left() < 20:
-                continue
-            try:
-                ms, cs = bench(fn, *xs)
-                scale = 1.0 if key == "fwd" else 3.5
-                row[f"{key}_ms"], row[f"{key}_compile_s"] = ms, cs
-                row[f"{key}_tflops"] = scale * n_flops / ms / 1e9
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row[f"{key}_error"] = repr(e)[:500]
-        report["timing"].append(row)
-        print(json.dumps(row))
-        save()
-        return row
-
-    scale = d**-0.5
-
-    def kernel_fwd(tiles, seg, pos):
-        return lambda q, k, v: pallas_gpu.fwd(
-            q, k, v, seg, pos, seg, pos, scale=scale, tiles=tiles
-        )[0]
-
-    # Tile sweep on the causal case: forward kernel alone, then the two backward kernels.
-    tiles = pallas_gpu.TILES
-    if not args.no_sweep:
-        causal = (causal_seg, causal_pos, causal_seg, causal_pos)
-        o, lse = jax.jit(lambda q, k, v: pallas_gpu.fwd(q, k, v, *causal, scale=scale))(q, k, v)
-        delta = jnp.sum(ct.astype(jnp.float32) * o, -1)
-
-        def kernel_bwd(tl):
-            return lambda q, k, v: pallas_gpu.bwd(
-                q, k, v, *causal, lse, ct, delta, scale=scale, tiles=tl
-            )
-
-        def sweep(kind, cands, make):
-            best = None
-            for tile in cands:
-                if left() < args.reserve:  # keep time for the comparison below
-                    break
-                tl = tiles._replace(**{kind: tile})
-                row = {"kernel": kind, "tile": tile._asdict()}
-                try:
-                    row["ms"], row["compile_s"] = bench(make(tl), q, k, v)
-                    if best is None or row["ms"] < best[0]:
-                        best = (row["ms"], tile)
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = repr(e)[:300]
-                report["sweep"].append(row)
-                print(json.dumps(row))
-                save()
-            return tiles if best is None else tiles._replace(**{kind: best[1]})
-
-        tiles = sweep(
-            "fwd",
-            [Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 128, 8, 2), Tile(128, 64, 4, 3),
-             Tile(64, 64, 4, 3)],
-            lambda tl: kernel_fwd(tl, causal_seg, causal_pos),
-        )  # fmt: skip
-        tiles = sweep(
-            "dkdv",
-            [Tile(64, 128, 8, 2), Tile(32, 128, 8, 3), Tile(64, 128, 8, 3), Tile(32, 128, 4, 3),
-             Tile(64, 64, 4, 3)],
-            kernel_bwd,
-        )  # fmt: skip
-        tiles = sweep(
-            "dq",
-            [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 3), Tile(128, 128, 8, 2),
-             Tile(64, 64, 4, 3)],
-            kernel_bwd,
-        )  # fmt: skip
-        report["best_tiles"] = [x._asdict() for x in tiles]
-        print("best tiles:", tiles)
-
+    check_correctness(run, rng)
+    x = timing_inputs(args, rng)
+    tiles = pallas_gpu.TILES if args.no_sweep else sweep_tiles(run, x)
     pallas_gpu.TILES = tiles  # the library's calls below take the swept tiles
-
-    def lib(impl, seg, pos):
-        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl)
-
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-
-    xs = (q, k, v)
-    rows = [
-        timed("cudnn causal", cudnn, fwd_bwd(cudnn), causal_flops, xs),
-        timed(
-            "pallas causal",
-            kernel_fwd(tiles, causal_seg, causal_pos),
-            fwd_bwd(lib("pallas", causal_seg, causal_pos)),
-            causal_flops,
-            xs,
-        ),
-        timed(
-            "pallas packed docs",
-            kernel_fwd(tiles, doc_seg, doc_pos),
-            fwd_bwd(lib("pallas", doc_seg, doc_pos)),
-            doc_flops,
-            xs,
-        ),
-    ]
-
-    if not args.no_xla:
-        rows.append(
-            timed(
-                "attention(impl=xla) packed",
-                lib("xla", doc_seg, doc_pos),
-                fwd_bwd(lib("xla", doc_seg, doc_pos)),
-                doc_flops,
-                xs,
-            )
-        )
-
-    # ------------------------------------------------------------------------------------------
-    # Table.
-    print()
-    print(f"{dev.device_kind}, jax {jax.__version__}, B={b} T={t} H={hq}/{hkv} D={d} bf16")
-    print("correctness:")
-    for r in report["correctness"]:
-        e = {k_: v_ for k_, v_ in r.items() if k_ not in ("case", "limit", "ok")}
-        print(f"  {'PASS' if r['ok'] else 'FAIL'} {r['case']}: {e}")
-    print(f"{'path':32} {'fwd ms':>9} {'TFLOP/s':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
-    for r in rows:
-        print(
-            f"{r['name']:32} {r.get('fwd_ms', float('nan')):>9.2f} "
-            f"{r.get('fwd_tflops', float('nan')):>8.1f} {r.get('fwd_bwd_ms', float('nan')):>11.2f} "
-            f"{r.get('fwd_bwd_tflops', float('nan')):>8.1f}"
-        )
-    by = {r["name"]: r for r in rows}
-    summary = {}
-    try:
-        summary["causal_fwd_bwd_vs_cudnn"] = (
-            by["cudnn causal"]["fwd_bwd_ms"] / by["pallas causal"]["fwd_bwd_ms"]
-        )
-        summary["causal_fwd_vs_cudnn"] = (
-            by["cudnn causal"]["fwd_ms"] / by["pallas causal"]["fwd_ms"]
-        )
-    except KeyError:
-        pass
-    try:
-        summary["packed_fwd_bwd_speedup_vs_xla"] = (
-            by["attention(impl=xla) packed"]["fwd_bwd_ms"] / by["pallas packed docs"]["fwd_bwd_ms"]
-        )
-    except KeyError:
-        pass
-    report["summary"] = summary
+    rows = compare(run, x, tiles)
+    print_table(run, x, rows)
+    report["summary"] = summary = summarize(rows)
     print("summary:", json.dumps(summary))
     print(f"total {time.time() - start:.0f} s; wrote {path}")
-    save()
+    run.save()
 
 
 if __name__ == "__main__":

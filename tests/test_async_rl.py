@@ -18,6 +18,7 @@ from jspec.rl import grpo
 from jspec.rl.rollouts import WeightMover, split_meshes
 from jspec.rl.state import Networks
 
+DISCRETE = ("reward", "accepted_length")
 SPLIT = ("rl.rollout_mesh.data=4",)  # 4 rollout devices, the training mesh on the other 4
 SHORT = ("rl.steps=3", "rl.sft_steps=10")
 
@@ -34,7 +35,11 @@ def test_lag_0_on_split_meshes_equals_the_synchronous_run(tmp_path, cache):
     assert [r["lag"] for r in split] == [0, 0, 0]
     assert all(r["transfer_time"] > 0 for r in split)
     for a, b in zip(synchronous, split, strict=True):
-        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
+        # the same rollouts and rewards; losses up to float rounding (the two meshes split the
+        # rows differently, so XLA multiplies blocks of other shapes)
+        assert {k: a[k] for k in DISCRETE} == {k: b[k] for k in DISCRETE}, a["step"]
+        for k in set(COMPARED) - set(DISCRETE):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, err_msg=f"{k} at step {a['step']}")
 
 
 @pytest.fixture(scope="module")

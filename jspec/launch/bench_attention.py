@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 # Document lengths are multiples of this: 2 * cp chunks of a multiple of 64 tokens for every cp
 # up to 8, so one packing serves every row of a series.
@@ -216,25 +215,15 @@ def fwd_bwd_of(loss):
     return fwd_bwd
 
 
-def time_compiled(fn, inputs, iters):
-    """(ms per call, compiled per-device temporary MiB) of `fn`, after one warm-up call."""
-    import jax
-
-    compiled = jax.jit(fn).lower(*inputs).compile()
-    jax.block_until_ready(compiled(*inputs))
-    start = time.perf_counter()
-    for _ in range(iters):
-        jax.block_until_ready(compiled(*inputs))
-    ms = 1e3 * (time.perf_counter() - start) / iters
-    return ms, compiled.memory_analysis().temp_size_in_bytes / 2**20
-
-
 def time_row(attend, layers, inputs, iters, flops_fwd, cp):
     """Times, per-GPU TFLOP/s and temporary memory of the forward and the forward+backward."""
+    from jspec.launch.timing import time_compiled
+
     loss = stacked_loss(attend, layers)
     row = {}
     for name, fn in (("fwd", loss), ("fwd_bwd", fwd_bwd_of(loss))):
-        ms, temp_mib = time_compiled(fn, inputs, iters)
+        ms, compiled, _ = time_compiled(fn, inputs, iters)
+        temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
         flops = flops_fwd * layers * (1 if name == "fwd" else 3.5)  # bwd = 2.5 fwd
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops_per_gpu"] = flops / cp / (ms * 1e9)

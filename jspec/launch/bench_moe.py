@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import time
 
 CPU_DEFAULTS = ("tiny", ["model.num_experts=8", "model.num_experts_per_tok=2",
                          "model.moe_intermediate_size=32"])  # fmt: skip
@@ -83,18 +82,6 @@ def layer_fn(config, mesh):
     return state, forward
 
 
-def timed(fn, iters: int, *inputs):
-    """(ms per call, output) of jit(fn), after one call that compiles."""
-    import jax
-
-    compiled = jax.jit(fn).lower(*inputs).compile()
-    out = jax.block_until_ready(compiled(*inputs))
-    start = time.perf_counter()
-    for _ in range(iters):
-        jax.block_until_ready(compiled(*inputs))
-    return 1e3 * (time.perf_counter() - start) / iters, out
-
-
 def train_step(forward):
     """Gradients of a squared-output loss with respect to weights and input."""
     import jax
@@ -146,6 +133,7 @@ def main(argv=None):
 
     from jspec import config as config_lib
     from jspec.config import MeshConfig
+    from jspec.launch.timing import time_compiled
     from jspec.mesh import make_mesh, sharding
 
     if args.device == "gpu":
@@ -184,7 +172,7 @@ def main(argv=None):
             if mesh is not None:
                 x = jax.device_put(x, sharding(mesh, ("batch", None, None)))
             fn = train_step(forward) if mode == "train" else forward
-            ms, out = timed(fn, args.iters, state, x)
+            ms, _, out = time_compiled(fn, (state, x), args.iters)
             tokens = b * t  # per device
             row = {"layer": name, "devices": p, "mode": mode, "rows_per_device": b, "seq": t,
                    "ms": ms, "tokens_per_s_per_device": tokens / ms * 1e3}  # fmt: skip

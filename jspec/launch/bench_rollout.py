@@ -54,7 +54,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--tree-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--no-spec", action="store_true", help="skip the speculative steps")
-    p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=32000,
+        help="EAGLE-3 draft vocabulary (at most the target's)",
+    )
     p.add_argument(
         "--compare-blocks",
         action="store_true",
@@ -271,7 +276,7 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`), float32."""
     cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
     model = create(cfg)
-    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    draft = create_eagle3(Eagle3Config.for_target(cfg, min(args.draft_vocab, cfg.vocab_size)))
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
@@ -300,7 +305,7 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
 def random_models(args):
     """Target and draft of random weights (speed only), random prompts."""
     cfg = config_lib.load(args.config, args.overrides).model
-    draft = create_eagle3(Eagle3Config.for_target(cfg, args.draft_vocab))
+    draft = create_eagle3(Eagle3Config.for_target(cfg, min(args.draft_vocab, cfg.vocab_size)))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (max(args.batches), args.prompt_len))
     return create(cfg), draft, prompts

@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import pathlib
+import shutil
 import sys
 import sysconfig
 import time
@@ -98,9 +99,12 @@ def split(files, heldout: int) -> tuple[list[str], list[str]]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
-    """A byte-level BPE tokenizer of `vocab_size` ids (the last is `EOS`), saved to `path`."""
+    """A byte-level BPE tokenizer of `vocab_size` ids (the last is `EOS`), saved to `path`; the
+    one already at `path` if an earlier run wrote it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -229,6 +233,23 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
+def stage(path: pathlib.Path, module, io, train):
+    """`module` with the weights of a finished stage at `path` (`io`: the `hf` or `hf_eagle3`
+    layout), so that a run that died resumes after its last finished stage; else `train()`,
+    saved whole to `path` (through a temporary folder, so a partial save is never read)."""
+    if path.is_dir():
+        loaded = io.load(path)
+        nnx.update(module, nnx.state(loaded[0] if isinstance(loaded, tuple) else loaded, nnx.Param))
+        print(f"{path.name}: the finished stage at {path}", flush=True)
+        return module
+    module = train()
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    io.save(partial, module)
+    partial.rename(path)
+    return module
+
+
 def sampler(stream, doc, t: int, batch: int, seed: int):
     """batches(i): `batch` rows of t ids from random starts, the same for the same i."""
     high = len(stream) - t
@@ -253,17 +274,18 @@ def main(argv=None):
     target = create(cfg)
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
           "parameters", flush=True)  # fmt: skip
-    target = fit(target, target_loss, batches, args.steps, args.learning_rate, "target")
+    target = stage(run / "target", target, hf,
+                   lambda: fit(target, target_loss, batches, args.steps, args.learning_rate,
+                               "target"))  # fmt: skip
     draft = create_eagle3(Eagle3Config.for_target(cfg))
-    draft = fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                args.draft_learning_rate, "draft", teacher=target)  # fmt: skip
+    draft = stage(run / "draft", draft, hf_eagle3,
+                  lambda: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
+                              args.draft_learning_rate, "draft", teacher=target))  # fmt: skip
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
                       bytes_per_token)  # fmt: skip
     report.update(args=vars(args), config=args.config, eos_token=EOS)
     print(json.dumps(report, indent=2), flush=True)
-    hf.save(run / "target", target)
-    hf_eagle3.save(run / "draft", draft)
     (run / "heldout.json").write_text(json.dumps(heldout_texts))
     (run / "report.json").write_text(json.dumps(report, indent=2))
 

@@ -70,7 +70,7 @@ def _in_runs(x: Array, sizes: Array) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, sizes, kernels: Kernels, varying: tuple[tuple[str, ...], tuple[str, ...]]):
+def _grouped(x, w, sizes, kernels: Kernels, varying: tuple[str, ...]):
     return _in_runs(kernels.ragged(_in_runs(x, sizes), w, sizes), sizes)
 
 
@@ -84,15 +84,18 @@ def _grouped_bwd(kernels, varying, residuals, dy):
     dy = _in_runs(dy, sizes).astype(x.dtype)
     dx = _in_runs(kernels.ragged(dy, w, sizes, transpose_rhs=True), sizes)
     dw = kernels.transposed(x, dy, sizes).astype(w.dtype)
-    return _varying(dx, varying[0]), _varying(dw, varying[1]), None
+    return _varying(dx, varying), _varying(dw, varying), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _manual_axes(x: Array) -> tuple[str, ...]:
-    """The manual mesh axes x varies over inside `shard_map` (none outside; jax >= 0.11)."""
-    return tuple(sorted(getattr(jax.typeof(x), "vma", ())))
+    """The manual mesh axes x varies over inside `shard_map` (none outside); jax 0.11 keeps them
+    in the type's `vma`, jax 0.10 in its `manual_axis_type`."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return tuple(sorted(manual.varying if manual is not None else getattr(aval, "vma", ())))
 
 
 def _varying(x: Array, axes: tuple[str, ...]) -> Array:
@@ -124,5 +127,9 @@ def grouped_matmul(
     `lax.ragged_dot` (with its own autodiff); `LAX` runs the custom VJP on `lax` products."""
     if kernels is None and not use_mosaic(x_AK, w_GKN):
         return jax.lax.ragged_dot(x_AK, w_GKN, group_sizes)
-    varying = (_manual_axes(x_AK), _manual_axes(w_GKN))
-    return _grouped(x_AK, w_GKN, group_sizes, kernels or MOSAIC, varying)
+    # Both operands vary over the union of their manual axes, as jax 0.11 makes them anyway (0.10
+    # does not): the gradients then have one type on both, and the weights' is summed over the
+    # axes they do not vary over by the transpose of this cast, outside the custom VJP.
+    axes = tuple(sorted({*_manual_axes(x_AK), *_manual_axes(w_GKN)}))
+    x_AK, w_GKN = _varying(x_AK, axes), _varying(w_GKN, axes)
+    return _grouped(x_AK, w_GKN, group_sizes, kernels or MOSAIC, axes)

@@ -138,27 +138,33 @@ def tree_nodes(tree: TreeConfig) -> int:
 def speculative(model, draft, prompts, lengths, step: float, curve: dict, args) -> dict:
     """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
     speedup over plain decoding and the one the verify cost curve predicts (accepted length over
-    the verify cost of the tree's nodes, interpolated: drafting is not in it)."""
+    the verify cost of the tree's nodes: drafting is not in it)."""
     out = {}
-    sizes = sorted(curve)
     for name, tree in TREES.items():
         seconds, accepted = step_seconds(model, draft, tree, prompts, lengths, args)
-        verify = np.interp(tree_nodes(tree), sizes, [curve[n] for n in sizes]) / step
         out[name] = dict(
             step_in_decode_steps=seconds / step,
             accepted_length=accepted,
             speedup=accepted * step / seconds,
-            predicted_speedup=accepted / verify if len(sizes) > 1 else None,
+            predicted_speedup=accepted * step / curve[tree_nodes(tree)],
         )
     return out
 
 
-def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) -> float:
-    """Time of one branch forward over a chain of n nodes against a prefilled cache."""
+def verify_curve(model, prompts, lengths, sizes, slots: int, iters: int) -> dict[int, float]:
+    """Seconds of one branch forward over a chain of n nodes, for each n of `sizes`, against one
+    cache of `slots` slots per row (as many as `generate` allocates), prefilled once."""
     graphdef, state = nnx.split(model)
-    b, t = prompts.shape
-    m = lambda state: nnx.merge(graphdef, state).for_rollout()
-    cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, t + n), lengths)[1])(state)
+    b = prompts.shape[0]
+    m = lambda state: nnx.merge(graphdef, state)
+    cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, slots), lengths)[1])(state)
+    return {n: verify_seconds(graphdef, state, cache, prompts, n, iters) for n in sizes}
+
+
+def verify_seconds(graphdef, state, cache, prompts, n: int, iters: int, loops: int = 8) -> float:
+    """Time of one branch forward over a chain of n nodes against `cache`, in a jitted loop of
+    `loops` of them (weights sliced once before the loop, as `generate` does)."""
+    b = prompts.shape[0]
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
     anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
     parent = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (b, n))
@@ -166,9 +172,11 @@ def verify_seconds(model, prompts, lengths, n: int, iters: int, loops: int = 8) 
 
     @jax.jit
     def run(state, cache):
+        model = nnx.merge(graphdef, state).for_rollout()
+
         def body(i, acc):
             tokens = (prompts[:, :n] + i) % model.config.vocab_size
-            logits = m(state).branch_forward(cache, tokens, positions, anchor, parent)[0]
+            logits = model.branch_forward(cache, tokens, positions, anchor, parent)[0]
             return acc + logits[:, -1, 0]
 
         return jax.lax.fori_loop(0, loops, body, jnp.zeros((b,), jnp.float32))
@@ -225,7 +233,9 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
         * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     )  # fmt: skip
     floor = (weight_bytes + kv_bytes) / args.bandwidth
-    curve = {n: verify_seconds(model, prompts, lengths, n, args.iters) for n in args.tree_sizes}
+    sizes = {*args.tree_sizes, *(() if args.no_spec else map(tree_nodes, TREES.values()))}
+    slots = args.prompt_len + max(args.new_tokens, *sizes)
+    curve = verify_curve(model, prompts, lengths, sorted(sizes), slots, args.iters)
     return dict(
         batch=batch,
         decode_ms=1e3 * step,
@@ -339,11 +349,10 @@ def print_row(r) -> None:
         f"verify/decode {curve}",
     ]
     for name, x in r["speculative"].items():
-        predicted = x["predicted_speedup"]
         parts.append(
             f"{name}: step {x['step_in_decode_steps']:.2f} decodes, accepted "
-            f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x"
-            + ("" if predicted is None else f" (predicted {predicted:.2f}x)")
+            f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x "
+            f"(predicted {x['predicted_speedup']:.2f}x)"
         )
     print(" | ".join(parts), flush=True)
 

@@ -471,11 +471,14 @@ class Transformer(nnx.Module):
         x_BTD = self._embed(tokens, TRAIN_ACT)
         cos_sin = rope_angles(self.config, positions)
         x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids, positions, taps)
-        logits = self._logits(x_BTD, TRAIN_ACT)
-        if cp > 1:  # a misaligned document (known only under jit) marks its row with NaN
-            logits = mark_misaligned(logits, natural_seg, cp)
-            logits = zigzag_unshard(logits, natural_seg, cp)
+        if cp > 1:
+            # Back to natural order before the LM head: the permutation depends on the documents,
+            # so each device gathers what it permutes; the hidden states are D wide, the logits V.
+            # A misaligned document (known only under jit) marks its row with NaN.
+            x_BTD = zigzag_unshard(mark_misaligned(x_BTD, natural_seg, cp), natural_seg, cp)
+            x_BTD = self._constrain(x_BTD, (*TRAIN_ACT, "act_embed"))
             taps_ = [zigzag_unshard(x, natural_seg, cp) for x in taps_]
+        logits = self._logits(x_BTD, TRAIN_ACT)
         out = (logits, *([jnp.stack(taps_)] if taps else []))
         if aux_loss:
             out += (jnp.zeros(()) if stats is None else load_balancing_loss(stats),)

@@ -29,10 +29,13 @@ def token_logprobs(
 ) -> Float[Array, "b t"]:
     """log p(token j | tokens before j) under the sampling temperature, at token j (0 at j = 0).
 
-    Logits at j - 1 predict token j; the caller masks tokens that start a document."""
-    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
-    picked = jnp.take_along_axis(logp, jnp.maximum(tokens[:, 1:], 0)[..., None], -1)[..., 0]
-    return jnp.pad(picked, ((0, 0), (1, 0)))
+    Logits at j - 1 predict token j; the caller masks tokens that start a document. The tokens
+    are shifted, not the logits: [B,T,V] is the largest array of the train step, and under context
+    parallelism its sequence axis is sharded, where a shift would move all of it."""
+    scaled = logits / temperature
+    successor = jnp.maximum(jnp.roll(tokens, -1, axis=1), 0)[..., None]
+    picked = jnp.take_along_axis(scaled, successor, -1)[..., 0] - jax.nn.logsumexp(scaled, -1)
+    return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
 
 
 def normalize(

@@ -475,9 +475,11 @@ class Transformer(nnx.Module):
             # Back to natural order before the LM head: the permutation depends on the documents,
             # so each device gathers what it permutes; the hidden states are D wide, the logits V.
             # A misaligned document (known only under jit) marks its row with NaN.
-            x_BTD = zigzag_unshard(mark_misaligned(x_BTD, natural_seg, cp), natural_seg, cp)
-            x_BTD = self._constrain(x_BTD, (*TRAIN_ACT, "act_embed"))
-            taps_ = [zigzag_unshard(x, natural_seg, cp) for x in taps_]
+            natural = lambda x: self._constrain(
+                zigzag_unshard(x, natural_seg, cp), (*TRAIN_ACT, "act_embed")
+            )
+            x_BTD = natural(mark_misaligned(x_BTD, natural_seg, cp))
+            taps_ = [natural(x) for x in taps_]
         logits = self._logits(x_BTD, TRAIN_ACT)
         out = (logits, *([jnp.stack(taps_)] if taps else []))
         if aux_loss:

@@ -504,8 +504,9 @@ def test_zigzag_balances_executed_tiles():
     assert contiguous.max() > 1.05 * contiguous.min(), contiguous  # the test can tell
 
 
-def _ring_fwd_bwd(cp, t, block):
-    """The compiled per-device fwd+bwd of ring_attention over a ring of cp devices."""
+def _ring_fwd_bwd(cp, t, block, layers=1):
+    """The compiled per-device fwd+bwd of ring_attention over a ring of cp devices; with layers
+    > 1, of a scan over that many layers, each layer's output the next one's queries."""
     mesh = jax.make_mesh(
         (cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:cp]
     )
@@ -513,9 +514,13 @@ def _ring_fwd_bwd(cp, t, block):
 
     def loss(q, k, v, seg, pos):
         def local(q, k, v, seg, pos):
-            out = ring_attention(
-                q, k, v, seg, pos, axis_name="context", block_q=block, block_k=block
-            )
+            def layer(x, _):
+                out = ring_attention(
+                    x, k, v, seg, pos, axis_name="context", block_q=block, block_k=block
+                )
+                return out, None
+
+            out = jax.lax.scan(layer, q, None, length=layers)[0] if layers > 1 else layer(q, 0)[0]
             return jnp.sum(out.astype(jnp.float32) ** 2)[None]
 
         return jax.shard_map(
@@ -565,6 +570,16 @@ def test_ring_memory_scales_with_cp():
         temps[cp] = compiled.memory_analysis().temp_size_in_bytes
     # About 1/cp: each doubling of cp at least 1.6x less temporary memory.
     assert temps[2] / temps[4] > 1.6 and temps[4] / temps[8] > 1.6, temps
+
+
+def test_ring_in_a_layer_scan_keeps_no_buffer_of_all_tiles():
+    """Under `grad` of a scan over layers, JAX hoists what depends only on loop-invariant inputs
+    out of the loop; the tile masks (a function of the ids alone) once went, the mask and score
+    tiles of every tile pair then existing at once. The largest buffer stays a few query shards."""
+    t, block = 2048, 64
+    compiled = _ring_fwd_bwd(2, t, block, layers=2)
+    q_shard = (t // 2) * HQ * 32 * 4
+    assert _largest_buffer(compiled) <= 2 * q_shard, (_largest_buffer(compiled), q_shard)
 
 
 def test_check_alignment_accepts_aligned_rows():

@@ -97,9 +97,21 @@ def _with_rows(x, rows: slice, y):
     return jnp.concatenate([x[:, : rows.start], y, x[:, rows.stop :]], axis=1)
 
 
+def _tied(q, *ids):
+    """q and the segment ids and positions, the ids made to depend on q.
+
+    Under `jax.grad` of a `lax.scan` over layers, JAX hoists whatever depends only on the scan's
+    loop-invariant inputs out of the loop, and the tile masks depend only on the ids, the same in
+    every layer: hoisted, the mask of every tile pair of every ring step exists at once (quadratic
+    in the tokens). Tied to q by an optimization barrier, they are computed tile by tile again.
+    """
+    return jax.lax.optimization_barrier((q, *ids))
+
+
 def _forward(st: _Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
     """(o, lse) in float32. One accumulator, filled first by the local branch-to-branch part,
     then by every ring step in place: no partial result is ever held beside it."""
+    q, q_seg, q_pos, k_seg, k_pos = _tied(q, q_seg, q_pos, k_seg, k_pos)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     o = jnp.zeros_like(q, jnp.float32)
     lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
@@ -137,6 +149,7 @@ def _ring_fwd(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent
 
 def _ring_bwd(st, res, do):
     q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent, o, lse = res
+    q, q_seg, q_pos, k_seg, k_pos = _tied(q, q_seg, q_pos, k_seg, k_pos)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
 

@@ -54,7 +54,7 @@ class _Layout:
     def __init__(self, segment_ids, mesh: Mesh | None):
         axis = mesh_lib.RULES["seq"]
         self.cp = 1 if mesh is None or axis is None else mesh.shape[axis]
-        self.natural_seg = segment_ids
+        self.mesh, self.natural_seg = mesh, segment_ids
         if self.cp > 1:
             self.ring = sharded_ring(
                 mesh, axis, batch_axis=mesh_lib.RULES["batch"],
@@ -63,10 +63,17 @@ class _Layout:
         self.seg = self.shard(segment_ids)
 
     def shard(self, x):
-        return x if self.cp == 1 else zigzag_shard(x, self.natural_seg, self.cp)
+        """x [B,T,...] in the zigzag layout."""
+        return x if self.cp == 1 else self._split(zigzag_shard(x, self.natural_seg, self.cp))
 
     def unshard(self, x):
-        return x if self.cp == 1 else zigzag_unshard(x, self.natural_seg, self.cp)
+        """x [B,T,...] back in natural order."""
+        return x if self.cp == 1 else self._split(zigzag_unshard(x, self.natural_seg, self.cp))
+
+    def _split(self, x):
+        """x with its tokens split over the context ranks, in either order: the permutations
+        gather what they move, and left so, every rank would run the draft on the whole row."""
+        return mesh_lib.constrain(x, self.mesh, ("batch", "seq", *(None,) * (x.ndim - 2)))
 
     def attend(self, q, k, v, positions, branch=None):
         """(trunk out, branch out) of the layout's attention (one of them may be None)."""

@@ -4,9 +4,13 @@ import os
 
 import pytest
 
+# Compiling dominates the tests' time on the CPU (tiny shapes, hundreds of programs): LLVM's
+# optimizations halve it or better, and the tests' properties do not depend on them.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 ).strip()
 
 

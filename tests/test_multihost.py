@@ -39,7 +39,8 @@ def metrics(run_dir):
 def two_processes(run_dir):
     """The demo loop under jspec-launch as processes 0 and 1 of 2, four CPU devices each."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # the session's flags (tests/conftest.py: fast compilation), four devices per process
+    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4")
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     address = f"localhost:{free_port()}"
     procs = [

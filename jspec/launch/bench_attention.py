@@ -222,8 +222,8 @@ def time_row(attend, layers, inputs, iters, flops_fwd, cp):
     loss = stacked_loss(attend, layers)
     row = {}
     for name, fn in (("fwd", loss), ("fwd_bwd", fwd_bwd_of(loss))):
-        ms, compiled, _ = time_compiled(fn, inputs, iters)
-        temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        timed = time_compiled(fn, inputs, iters)
+        ms, temp_mib = timed.ms, timed.compiled.memory_analysis().temp_size_in_bytes / 2**20
         flops = flops_fwd * layers * (1 if name == "fwd" else 3.5)  # bwd = 2.5 fwd
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops_per_gpu"] = flops / cp / (ms * 1e9)

@@ -172,7 +172,7 @@ def main(argv=None):
             if mesh is not None:
                 x = jax.device_put(x, sharding(mesh, ("batch", None, None)))
             fn = train_step(forward) if mode == "train" else forward
-            ms, _, out = time_compiled(fn, (state, x), args.iters)
+            ms, _, _, out = time_compiled(fn, (state, x), args.iters)
             tokens = b * t  # per device
             row = {"layer": name, "devices": p, "mode": mode, "rows_per_device": b, "seq": t,
                    "ms": ms, "tokens_per_s_per_device": tokens / ms * 1e3}  # fmt: skip

@@ -286,7 +286,7 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`), float32."""
     cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
     model = create(cfg)
-    draft = create_eagle3(Eagle3Config.for_target(cfg, min(args.draft_vocab, cfg.vocab_size)))
+    draft = random_draft(cfg, args.draft_vocab)
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
@@ -312,10 +312,15 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
           f"({batch} x {new_tokens} tokens, float32)", flush=True)  # fmt: skip
 
 
+def random_draft(cfg, draft_vocab: int):
+    """An EAGLE-3 draft of random weights for `cfg`, its vocabulary at most the target's."""
+    return create_eagle3(Eagle3Config.for_target(cfg, min(draft_vocab, cfg.vocab_size)))
+
+
 def random_models(args):
     """Target and draft of random weights (speed only), random prompts."""
     cfg = config_lib.load(args.config, args.overrides).model
-    draft = create_eagle3(Eagle3Config.for_target(cfg, min(args.draft_vocab, cfg.vocab_size)))
+    draft = random_draft(cfg, args.draft_vocab)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (max(args.batches), args.prompt_len))
     return create(cfg), draft, prompts

@@ -33,6 +33,7 @@ import numpy as np
 
 from jspec.attention import attention, blocks, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
+from jspec.launch.timing import time_compiled
 
 # Correctness cases of the self-attention check: (head dim, dtype).
 CASES = ((128, jnp.bfloat16), (128, jnp.float32), (64, jnp.bfloat16))
@@ -249,19 +250,6 @@ def timing_inputs(args, rng):
     return Inputs(q, k, v, ct, causal, docs, flops([t]), flops(lengths))
 
 
-def bench(fn, xs, iters):
-    """Mean ms per call over `iters` calls after one warm-up; the compile time."""
-    f = jax.jit(fn)
-    c0 = time.perf_counter()
-    jax.block_until_ready(f(*xs))
-    compile_s = time.perf_counter() - c0
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = f(*xs)
-    jax.block_until_ready(out)
-    return 1e3 * (time.perf_counter() - t0) / iters, compile_s
-
-
 def fwd_bwd(attn, ct):
     """The gradients of <attn(q, k, v), ct> in q, k, v: one forward and its backward."""
 
@@ -285,7 +273,7 @@ def timed(run, name, fwd_fn, fb_fn, n_flops, xs):
         if run.left() < 20:
             continue
         try:
-            ms, cs = bench(fn, xs, run.args.iters)
+            ms, cs, _, _ = time_compiled(fn, xs, run.args.iters)
             scale = 1.0 if key == "fwd" else 3.5
             row[f"{key}_ms"], row[f"{key}_compile_s"] = ms, cs
             row[f"{key}_tflops"] = scale * n_flops / ms / 1e9
@@ -305,7 +293,7 @@ def sweep_kernel(run, tiles, kind, make, xs):
         tl = tiles._replace(**{kind: tile})
         row = {"kernel": kind, "tile": tile._asdict()}
         try:
-            row["ms"], row["compile_s"] = bench(make(tl), xs, run.args.iters)
+            row["ms"], row["compile_s"], _, _ = time_compiled(make(tl), xs, run.args.iters)
             if best is None or row["ms"] < best[0]:
                 best = (row["ms"], tile)
         except Exception as e:  # noqa: BLE001

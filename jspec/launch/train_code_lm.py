@@ -233,19 +233,18 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stage(path: pathlib.Path, module, io, train):
-    """`module` with the weights of a finished stage at `path` (`io`: the `hf` or `hf_eagle3`
-    layout), so that a run that died resumes after its last finished stage; else `train()`,
-    saved whole to `path` (through a temporary folder, so a partial save is never read)."""
+def stage(path: pathlib.Path, module, train, save, load):
+    """`module` with the weights of a finished stage at `path` (`load(path)`: a module), so that a
+    run that died resumes after its last finished stage; else `train()`, saved whole to `path` by
+    `save` (through a temporary folder, so a partial save is never read)."""
     if path.is_dir():
-        loaded = io.load(path)
-        nnx.update(module, nnx.state(loaded[0] if isinstance(loaded, tuple) else loaded, nnx.Param))
+        nnx.update(module, nnx.state(load(path), nnx.Param))
         print(f"{path.name}: the finished stage at {path}", flush=True)
         return module
     module = train()
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    io.save(partial, module)
+    save(partial, module)
     partial.rename(path)
     return module
 
@@ -274,13 +273,18 @@ def main(argv=None):
     target = create(cfg)
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
           "parameters", flush=True)  # fmt: skip
-    target = stage(run / "target", target, hf,
-                   lambda: fit(target, target_loss, batches, args.steps, args.learning_rate,
-                               "target"))  # fmt: skip
+    target = stage(
+        run / "target", target,
+        lambda: fit(target, target_loss, batches, args.steps, args.learning_rate, "target"),
+        hf.save, hf.load,
+    )  # fmt: skip
     draft = create_eagle3(Eagle3Config.for_target(cfg))
-    draft = stage(run / "draft", draft, hf_eagle3,
-                  lambda: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                              args.draft_learning_rate, "draft", teacher=target))  # fmt: skip
+    draft = stage(
+        run / "draft", draft,
+        lambda: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
+                    args.draft_learning_rate, "draft", teacher=target),
+        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0],
+    )  # fmt: skip
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
                       bytes_per_token)  # fmt: skip

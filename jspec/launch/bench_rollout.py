@@ -67,7 +67,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
-    p.add_argument("--profile", metavar="DIR", help="trace the plain step; print its top kernels")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="trace the plain loop and the largest verify; print their top kernels",
+    )
     p.add_argument(
         "--trained",
         metavar="RUN_DIR",
@@ -135,35 +139,46 @@ def tree_nodes(tree: TreeConfig) -> int:
     return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
 
 
-def speculative(model, draft, prompts, lengths, step: float, curve: dict, args) -> dict:
+def speculative(model, draft, prompts, lengths, step: float, curve: dict, slots, args) -> dict:
     """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
-    speedup over plain decoding and the one the verify cost curve predicts (accepted length over
-    the verify cost of the tree's nodes: drafting is not in it)."""
+    speedup over plain decoding and the one the costs predict: accepted length over the cost of
+    verifying the tree's nodes (the cost curve) plus the draft's proposal of the tree."""
     out = {}
     for name, tree in TREES.items():
         seconds, accepted = step_seconds(model, draft, tree, prompts, lengths, args)
+        drafting = loop_seconds(draft_loop(model, draft, prompts, lengths, tree, slots, args),
+                                args.iters)  # fmt: skip
         out[name] = dict(
             step_in_decode_steps=seconds / step,
+            draft_in_decode_steps=drafting / step,
             accepted_length=accepted,
             speedup=accepted * step / seconds,
-            predicted_speedup=accepted * step / curve[tree_nodes(tree)],
+            predicted_speedup=accepted * step / (curve[tree_nodes(tree)] + drafting),
         )
     return out
 
 
-def verify_curve(model, prompts, lengths, sizes, slots: int, iters: int) -> dict[int, float]:
-    """Seconds of one branch forward over a chain of n nodes, for each n of `sizes`, against one
-    cache of `slots` slots per row (as many as `generate` allocates), prefilled once."""
+def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
+    """For each n of `sizes`, the `verify_loop` of a chain of n nodes against one cache of `slots`
+    slots per row (as many as `generate` allocates), prefilled once."""
     graphdef, state = nnx.split(model)
     b = prompts.shape[0]
     m = lambda state: nnx.merge(graphdef, state)
     cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, slots), lengths)[1])(state)
-    return {n: verify_seconds(graphdef, state, cache, prompts, n, iters) for n in sizes}
+    return {n: verify_loop(graphdef, state, cache, prompts, n) for n in sizes}
 
 
-def verify_seconds(graphdef, state, cache, prompts, n: int, iters: int, loops: int = 8) -> float:
-    """Time of one branch forward over a chain of n nodes against `cache`, in a jitted loop of
-    `loops` of them (weights sliced once before the loop, as `generate` does)."""
+def loop_seconds(run, iters: int, short: int = 2, long: int = 10) -> float:
+    """Seconds of one body of the jitted loop `run(count)`: the difference of a long and a short
+    loop, so what a call pays once (slicing the weights for the loop, `for_rollout`) drops out, as
+    it does from the plain step (a difference of two `generate` lengths)."""
+    seconds = lambda n: best_time(lambda: run(jnp.int32(n)), iters)
+    return (seconds(long) - seconds(short)) / (long - short)
+
+
+def verify_loop(graphdef, state, cache, prompts, n: int):
+    """`run(count)`: `count` branch forwards over a chain of n nodes against `cache`, in a jitted
+    loop (weights sliced once before it, as `generate` does)."""
     b = prompts.shape[0]
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
     anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
@@ -171,7 +186,7 @@ def verify_seconds(graphdef, state, cache, prompts, n: int, iters: int, loops: i
     positions = cache.length[:, None] + depth - 1
 
     @jax.jit
-    def run(state, cache):
+    def run(state, cache, count):
         model = nnx.merge(graphdef, state).for_rollout()
 
         def body(i, acc):
@@ -179,9 +194,35 @@ def verify_seconds(graphdef, state, cache, prompts, n: int, iters: int, loops: i
             logits = model.branch_forward(cache, tokens, positions, anchor, parent)[0]
             return acc + logits[:, -1, 0]
 
-        return jax.lax.fori_loop(0, loops, body, jnp.zeros((b,), jnp.float32))
+        return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
 
-    return best_time(lambda: run(state, cache), iters) / loops
+    return lambda count: run(state, cache, count)
+
+
+def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, args):
+    """`run(count)`: `count` proposals of `tree` by the draft from one prefilled root, in a jitted
+    loop, as `generate` drafts (the root's logits move with the loop, so nothing is hoisted)."""
+    config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=args.temperature, tree=tree)
+    b = prompts.shape[0]
+
+    @jax.jit
+    def run(model, draft, count):
+        target, draft = model.for_rollout(), draft.for_rollout()
+        embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
+        cache = target.init_cache(b, slots)
+        out = target.prefill(prompts, cache, lengths, taps=draft.uses_taps)
+        features = out[2] if draft.uses_taps else None
+        root = draft.prefill(embed, prompts, lengths, jnp.argmax(out[0], -1), features,
+                             draft.init_cache(b, slots))  # fmt: skip
+
+        def body(i, acc):
+            moved = root._replace(logits=root.logits + 0.0 * acc[:, None])
+            drafted = decoding.propose(draft, embed, moved, jax.random.key(i), config)
+            return acc + drafted.tokens[:, 0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
+
+    return lambda count: run(model, draft, count)
 
 
 def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
@@ -205,14 +246,12 @@ def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, flo
     return rows
 
 
-def profile_step(model, prompts, lengths, new_tokens, log_dir) -> list:
-    """The top kernels of the plain decode loop (prefill included, so `new_tokens` is large)."""
-    config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=TreeConfig())
-    run = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
+def profile(run, log_dir: str, steps: int) -> list:
+    """The top kernels of `run()` (compiled first), per step of the `steps` it runs."""
     jax.block_until_ready(run())
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(run())
-    return kernel_table(log_dir, new_tokens)
+    return kernel_table(log_dir, steps)
 
 
 def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
@@ -222,8 +261,6 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
     time_step = lambda d, tree: step_seconds(model, d, tree, prompts, lengths, args)[0]
     step = time_step(None, TreeConfig())
-    if args.profile:
-        profile_step(model, prompts, lengths, args.new_tokens, f"{args.profile}/batch{batch}")
     blocks_step = None
     if args.compare_blocks:
         with few_queries(0):
@@ -235,7 +272,19 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     floor = (weight_bytes + kv_bytes) / args.bandwidth
     sizes = {*args.tree_sizes, *(() if args.no_spec else map(tree_nodes, TREES.values()))}
     slots = args.prompt_len + max(args.new_tokens, *sizes)
-    curve = verify_curve(model, prompts, lengths, sorted(sizes), slots, args.iters)
+    loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
+    curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
+    kernels = {}
+    if args.profile:
+        config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, tree=TreeConfig())
+        plain = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
+        n = max(sizes)
+        kernels = {  # the plain loop with its prefill; `loops` verifies of n nodes
+            "plain": profile(plain, f"{args.profile}/batch{batch}-plain", args.new_tokens),
+            f"verify {n}": profile(
+                lambda: loops[n](jnp.int32(10)), f"{args.profile}/batch{batch}-verify{n}", 10
+            ),
+        }
     return dict(
         batch=batch,
         decode_ms=1e3 * step,
@@ -247,7 +296,8 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
         speculative={}
         if args.no_spec
-        else speculative(model, draft, prompts, lengths, step, curve, args),
+        else speculative(model, draft, prompts, lengths, step, curve, slots, args),
+        kernels=kernels,
     )
 
 
@@ -355,7 +405,8 @@ def print_row(r) -> None:
     ]
     for name, x in r["speculative"].items():
         parts.append(
-            f"{name}: step {x['step_in_decode_steps']:.2f} decodes, accepted "
+            f"{name}: step {x['step_in_decode_steps']:.2f} decodes (draft "
+            f"{x['draft_in_decode_steps']:.2f}), accepted "
             f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x "
             f"(predicted {x['predicted_speedup']:.2f}x)"
         )

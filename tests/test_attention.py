@@ -289,10 +289,13 @@ def test_decode_queries_single_device():
     )
 
 
-@pytest.mark.parametrize("chunk", [4096, 24])
-def test_decode_impl_matches_reference(monkeypatch, chunk):
+@pytest.mark.parametrize(
+    "chunk, impl, heads_major", [(4096, "decode", False), (24, "decode", True), (4096, "xla", True)]
+)
+def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major):
     """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
-    values and gradients; a small chunk exercises the online softmax across cache chunks."""
+    values and gradients; a small chunk exercises the online softmax across cache chunks. A
+    heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path."""
     monkeypatch.setattr(decode, "CHUNK", chunk)
     rng = np.random.default_rng(11)
     b, s, n = 3, 80, 7
@@ -306,7 +309,12 @@ def test_decode_impl_matches_reference(monkeypatch, chunk):
     make_branch = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)
     branch_qkv = tuple(normal(rng, b, n, h, D) for h in (HQ, HKV, HKV))
     ref = functools.partial(reference_attention, segment_ids=seg, positions=pos, **kw)
-    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, impl="decode")
+    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, impl=impl,
+                            heads_major=heads_major)  # fmt: skip
+    if heads_major:
+        got = lambda q, k, v, attend=got, **kw: attend(
+            q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), **kw
+        )
     assert_close(
         value_and_grads(got, q, k, v, branch_qkv, make_branch),
         value_and_grads(ref, q, k, v, branch_qkv, make_branch),

@@ -205,7 +205,7 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns):
     m = lambda s: nnx.merge(graphdef, s)
     sharded = jax.device_put(state, param_shardings(state, mesh))
     cache = m(sharded).init_cache(4, PAD)
-    names = (None, "decode_batch", None, "act_kv_heads", None)
+    names = (None, "decode_batch", "act_kv_heads", None, None)
     assert cache.k.sharding.spec == logical_spec(names)
     seqs = np.random.RandomState(8).randint(0, CONFIG.vocab_size, (4, 9)).astype(np.int32)
     lengths = np.array([8, 5, 3, 6], np.int32)

@@ -8,6 +8,10 @@ group share one read of each cache chunk: one grouped einsum [B, K, G, R, chunk]
 by the contract's rules (`masks`), continued across chunks by online softmax in float32; the
 branch keys (a few per row) join the same softmax. Plain XLA, so autodiff works, but it is meant
 for rollouts: training keeps the block kernels (`impl="decode"` selects this path).
+
+The cache is heads-major, [B, Hkv, S, D]: the einsums batch over (row, KV head), and a batched
+matrix product wants its batch dimensions outermost, so a [B, S, Hkv, D] cache would be transposed
+(copied whole) in every layer of every step before it is read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ CHUNK = 4096  # cache slots per step of the online softmax: bounds the score buf
 
 
 def _continue(state, s, v, scale):
-    """Online softmax: fold scores s [B,K,G,R,C] (-inf where masked) and values v [B,C,K,D] in."""
+    """Online softmax: fold scores s [B,K,G,R,C] (-inf where masked) and values v [B,K,C,D] in."""
     m, l, acc = state
     s = s * scale
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -31,7 +35,7 @@ def _continue(state, s, v, scale):
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     # p in the values' dtype (as flash attention does): a float32 copy of the cache costs more
-    pv = jnp.einsum("bkgrc,bckd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgrc,bkcd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
@@ -39,8 +43,8 @@ def decode_attention(
     q: Float[Array, "b r hq d"],
     q_segment_ids: Int[Array, "b r"],
     q_positions: Int[Array, "b r"],
-    k: Float[Array, "b s hkv d"],
-    v: Float[Array, "b s hkv d"],
+    k: Float[Array, "b hkv s d"],
+    v: Float[Array, "b hkv s d"],
     segment_ids: Int[Array, "b s"],
     positions: Int[Array, "b s"],
     nodes: Int[Array, "b r"] | None,
@@ -54,7 +58,7 @@ def decode_attention(
     whose `nodes` entry is a branch node (>= 0), that node and its ancestors among the branch keys.
     """
     b, r, hq, d = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
+    hkv, s_len = k.shape[1], k.shape[2]
     qg = q.reshape(b, r, hkv, hq // hkv, d)
     shape = (b, hkv, hq // hkv, r)
     state = (
@@ -64,14 +68,14 @@ def decode_attention(
     )
 
     def trunk_chunk(state, start, size):
-        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        sl = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
         seen = masks.visible(
             q_segment_ids[:, :, None], q_positions[:, :, None],
             sl(segment_ids)[:, None], sl(positions)[:, None],
         )  # fmt: skip
-        s = jnp.einsum("brkgd,bckd->bkgrc", qg, sl(k), preferred_element_type=jnp.float32)
+        s = jnp.einsum("brkgd,bkcd->bkgrc", qg, sl(k, 2), preferred_element_type=jnp.float32)
         s = jnp.where(seen[:, None, None], s, -jnp.inf)
-        return _continue(state, s, sl(v), scale)
+        return _continue(state, s, sl(v, 2), scale)
 
     full, rest = divmod(s_len, CHUNK)
     if full > 1:
@@ -86,6 +90,7 @@ def decode_attention(
         seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
         seen = seen & (nodes >= 0)[:, :, None]
         s = jnp.einsum("brkgd,bnkd->bkgrn", qg, branch_k, preferred_element_type=jnp.float32)
-        state = _continue(state, jnp.where(seen[:, None, None], s, -jnp.inf), branch_v, scale)
+        s = jnp.where(seen[:, None, None], s, -jnp.inf)
+        state = _continue(state, s, jnp.swapaxes(branch_v, 1, 2), scale)
     out, _ = _finish(*state)
     return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)

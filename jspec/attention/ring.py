@@ -213,9 +213,15 @@ def _attend(
     impl,
     block_q,
     block_k,
+    heads_major=False,
 ):
+    if heads_major:  # [B,Hkv,Tk,D]: checked as the [B,Tk,Hkv,D] it stands for
+        as_bthd = lambda x: jax.ShapeDtypeStruct(jnp.swapaxes(x, 1, 2).shape, x.dtype)
+        checked_kv = (as_bthd(k), as_bthd(v))
+    else:
+        checked_kv = (k, v)
     checks.check_inputs(
-        q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl, IMPLS
+        q, *checked_kv, segment_ids, positions, q_segment_ids, q_positions, branch, impl, IMPLS
     )
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     if q_segment_ids is None:
@@ -241,10 +247,14 @@ def _attend(
         if branch is not None:
             trunk_rows = jnp.full((k.shape[0], n_trunk), -1, jnp.int32)
             nodes = jnp.concatenate([trunk_rows, b_nodes], axis=1)
+        if not heads_major:
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         out = decode.decode_attention(
             q_all, q_seg, q_pos, k, v, segment_ids, positions, nodes, bk, bv, parent, scale=scale
         ).astype(q_all.dtype)
         return _split_rows(out, q, branch, n_trunk, n_rows)
+    if heads_major:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     kernel = _resolve(impl, k.shape[-1])
     if kernel == "xla":
@@ -287,12 +297,15 @@ def attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    heads_major: bool = False,
 ):
     """Masked attention on one device, blockwise (no score tile beyond a block), differentiable.
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
     branch. `block_q`, `block_k` set the tile (default 512 x 512, clipped to the lengths).
     Visibility is the contract's (docs/attention.md); `reference.py` is its dense statement.
+    `heads_major`: k and v are [B,Hkv,Tk,D], a KV cache's layout, which `impl="decode"` reads as
+    it is (the other paths transpose it).
     """
     return _attend(
         q,
@@ -308,6 +321,7 @@ def attention(
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        heads_major=heads_major,
     )
 
 

@@ -261,8 +261,8 @@ class KVCache(NamedTuple):
     known before running): its extra tokens were dropped and its results must not be used.
     """
 
-    k: Float[Array, "l b s kv e"]
-    v: Float[Array, "l b s kv e"]
+    k: Float[Array, "l b kv s e"]  # heads-major: the layout decode attention reads (`decode`)
+    v: Float[Array, "l b kv s e"]
     segment_ids: Int[Array, "b s"]
     positions: Int[Array, "b s"]
     length: Int[Array, " b"]
@@ -312,11 +312,15 @@ class KVCache(NamedTuple):
 
 
 def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"], layer=None) -> Array:
-    """Writes new K or V at the slots of each row of a cache [L,B,S,K,E]: all layers [L,B,N,K,E],
+    """Writes new K or V at the slots of each row of a cache [L,B,K,S,E]: all layers [L,B,N,K,E],
     or with `layer` that layer's [B,N,K,E]. Slots past the end are dropped."""
-    rows = jnp.arange(slot_BN.shape[0])[:, None]
-    index = (slice(None), rows, slot_BN) if layer is None else (layer, rows, slot_BN)
-    return cache_kv.at[index].set(new_kv.astype(cache_kv.dtype), mode="drop")
+    b, n = slot_BN.shape
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(cache_kv.shape[2])[None, :, None]
+    slots = slot_BN[:, None, :]
+    new = jnp.swapaxes(new_kv, -3, -2).astype(cache_kv.dtype)  # [..., B, K, N, E]
+    index = (slice(None), rows, heads, slots) if layer is None else (layer, rows, heads, slots)
+    return cache_kv.at[index].set(new, mode="drop")
 
 
 class CacheWriter:
@@ -340,7 +344,7 @@ class CacheWriter:
         return attention(
             q, k_all[i], v_all[i], c.segment_ids, c.positions,
             q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
-            impl=rollout_impl(q.shape[1]),
+            impl=rollout_impl(q.shape[1]), heads_major=True,
         )  # fmt: skip
 
 
@@ -353,7 +357,7 @@ def cache_attention(cache: KVCache, layer: int, branch: Branch):
     """Branch nodes (verification, draft trees) against one layer of the cache."""
     k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
     impl = rollout_impl(branch.q.shape[1])
-    return attention(None, k, v, seg, pos, branch=branch, impl=impl)[1]
+    return attention(None, k, v, seg, pos, branch=branch, impl=impl, heads_major=True)[1]
 
 
 def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
@@ -511,10 +515,10 @@ class Transformer(nnx.Module):
                 f"a cache of {max_len} slots exceeds model.max_seq_len={c.max_seq_len}; ask for "
                 "fewer tokens, or raise model.max_seq_len if the model was trained for more."
             )
-        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
         bs = ROLLOUT_ACT[0]
         kv = lambda: self._constrain(
-            jnp.zeros(shape, jnp.dtype(c.dtype)), (None, bs, None, "act_kv_heads", None)
+            jnp.zeros(shape, jnp.dtype(c.dtype)), (None, bs, "act_kv_heads", None, None)
         )
         ids = lambda: self._constrain(jnp.zeros((batch, max_len), jnp.int32), (bs, None))
         length = self._constrain(jnp.zeros((batch,), jnp.int32), (bs,))

@@ -19,6 +19,7 @@ from jspec.attention import (
     blocks,
     context_parallel_attention,
     decode,
+    pallas_decode,
     reference_attention,
     ring_attention,
     zigzag,
@@ -290,13 +291,23 @@ def test_decode_queries_single_device():
 
 
 @pytest.mark.parametrize(
-    "chunk, impl, heads_major", [(4096, "decode", False), (24, "decode", True), (4096, "xla", True)]
+    "chunk, impl, heads_major, backend",
+    [
+        (4096, "decode", False, "xla"),
+        (24, "decode", True, "xla"),
+        (4096, "xla", True, "xla"),
+        (4096, "decode", True, "pallas_interpret"),
+    ],
 )
-def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major):
+def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, backend):
     """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
     values and gradients; a small chunk exercises the online softmax across cache chunks. A
-    heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path."""
+    heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path. The Pallas
+    trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row."""
     monkeypatch.setattr(decode, "CHUNK", chunk)
+    monkeypatch.setattr(decode, "BACKEND", backend)
+    monkeypatch.setattr(pallas_decode, "BLOCK_K", 16)
+    monkeypatch.setattr(pallas_decode, "TARGET_PROGRAMS", 4 * 3 * HKV)
     rng = np.random.default_rng(11)
     b, s, n = 3, 80, 7
     seg, pos = packed_rows(rng, b, s, 4)

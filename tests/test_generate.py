@@ -16,6 +16,7 @@ from helpers import chi_square_p_value, distill_eagle3, noisy_copy
 
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.decoding as decoding
+from jspec.attention import decode
 from jspec.config import ConfigError, MeshConfig, ModelConfig, RolloutConfig, TreeConfig
 from jspec.mesh import make_mesh
 from jspec.models import Transformer, create
@@ -109,6 +110,16 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
 
 
+def test_greedy_through_the_pallas_decode_kernel(setup, pallas_trunk):
+    """Plain and speculative greedy tokens with the kernel (interpreted) equal plain decoding with
+    the cache part of attention in XLA."""
+    s = setup
+    for draft, tree in ((None, TreeConfig()), (s["drafts"]["eagle3"], TREES["dynamic"])):
+        config = greedy(eos_id=s["eos"], tree=tree)
+        got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+        np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+
+
 def test_rollout_on_the_training_mesh_matches_one_device(setup):
     """Rows over data x context (extra data parallelism in rollout), heads over tensor."""
     s = setup
@@ -174,11 +185,21 @@ def exact_joint(target, temperature, top_p):
     return (first[:, None, None] * second[:, :, None] * third.reshape(v, v, v)).reshape(-1)
 
 
-def sample_codes(small, case, seed=0):
+@pytest.fixture
+def pallas_trunk(monkeypatch):
+    """The cache part of rollout attention on the Pallas kernel GPUs run, interpreted; `generate`'s
+    compiled programs are dropped on the way in and out, as they baked the backend in."""
+    monkeypatch.setattr(decode, "BACKEND", "pallas_interpret")
+    decoding._generate.clear_cache()
+    yield
+    decoding._generate.clear_cache()
+
+
+def sample_codes(small, case, seed=0, trials=TRIALS):
     target, draft = small
     config = RolloutConfig(max_new_tokens=3, **case)
-    prompts = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (TRIALS, len(PROMPT)))
-    lengths = jnp.full((TRIALS,), len(PROMPT), jnp.int32)
+    prompts = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (trials, len(PROMPT)))
+    lengths = jnp.full((trials,), len(PROMPT), jnp.int32)
     out = generate(target, draft, prompts, lengths, jax.random.key(seed), config)
     tokens = np.asarray(out.tokens)
     return tokens[:, 0] * 64 + tokens[:, 1] * 8 + tokens[:, 2], out
@@ -186,13 +207,24 @@ def sample_codes(small, case, seed=0):
 
 @pytest.mark.parametrize("case", LOSSLESS)
 def test_speculative_sampling_is_lossless(small, case):
-    c = LOSSLESS[case]
-    codes, out = sample_codes(small, c)
-    assert chi_square_p_value(codes, exact_joint(small[0], c["temperature"], c["top_p"])) > P_VALUE
+    check_lossless(small, LOSSLESS[case], TRIALS)
+
+
+def test_lossless_through_the_pallas_decode_kernel(small, pallas_trunk):
+    """The same through the kernel GPUs run for the cache part of attention, interpreted (slow:
+    fewer trials, the same threshold)."""
+    check_lossless(small, LOSSLESS["point-mass dynamic tree"], TRIALS // 10)
+
+
+def check_lossless(small, case, trials):
+    codes, out = sample_codes(small, case, trials=trials)
+    joint = exact_joint(small[0], case["temperature"], case["top_p"])
+    assert chi_square_p_value(codes, joint) > P_VALUE
     assert out.stats.mean_accepted_length() > 1.2  # the draft's proposals are really tested
     # The log-probabilities returned are the target's, recomputed by a full forward.
     tokens = np.asarray(out.tokens[:16])
-    probs = lambda i: forward_probs(small[0], [r[:i] for r in tokens], c["temperature"], c["top_p"])
+    t, p = case["temperature"], case["top_p"]
+    probs = lambda i: forward_probs(small[0], [r[:i] for r in tokens], t, p)
     want = [np.log(probs(i)[np.arange(16), tokens[:, i]]) for i in range(3)]
     np.testing.assert_allclose(out.logprobs[:16], np.stack(want, axis=1), atol=1e-5)
 

@@ -6,8 +6,10 @@ per query head, so every KV head's cache is read once per query head, and they p
 multiple of their tile (a copy per call). Here all queries of a row and all query heads of a KV
 group share one read of each cache chunk: one grouped einsum [B, K, G, R, chunk] of scores, masked
 by the contract's rules (`masks`), continued across chunks by online softmax in float32; the
-branch keys (a few per row) join the same softmax. Plain XLA, so autodiff works, but it is meant
-for rollouts: training keeps the block kernels (`impl="decode"` selects this path).
+branch keys (a few per row) join the same softmax. Autodiff works, but the path is meant for
+rollouts: training keeps the block kernels (`impl="decode"` selects this path). On an NVIDIA GPU the
+cache part runs as a Pallas kernel (`pallas_decode`: scores stay on chip, only filled slots are
+read); the XLA path here is its reference and its gradient.
 
 The cache is heads-major, [B, Hkv, S, D]: the einsums batch over (row, KV head), and a batched
 matrix product wants its batch dimensions outermost, so a [B, S, Hkv, D] cache would be transposed
@@ -16,14 +18,19 @@ matrix product wants its batch dimensions outermost, so a [B, S, Hkv, D] cache w
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import masks
+from jspec.attention import masks, pallas_decode, pallas_gpu
 from jspec.attention.blocks import _finish
 
-CHUNK = 4096  # cache slots per step of the online softmax: bounds the score buffer
+CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds the score buffer
+# What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
+# "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
+BACKEND = "auto"
 
 
 def _continue(state, s, v, scale):
@@ -58,9 +65,47 @@ def decode_attention(
     whose `nodes` entry is a branch node (>= 0), that node and its ancestors among the branch keys.
     """
     b, r, hq, d = q.shape
-    hkv, s_len = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     qg = q.reshape(b, r, hkv, hq // hkv, d)
-    shape = (b, hkv, hq // hkv, r)
+    trunk = functools.partial(xla_trunk, scale=scale)
+    backend = trunk_backend(d)
+    if backend == "xla":
+        state = trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions)
+    else:
+        state = pallas_decode.trunk_state(
+            qg, q_segment_ids, q_positions, k, v, segment_ids, positions, trunk,
+            scale=scale, interpret=backend == "pallas_interpret",
+        )  # fmt: skip
+    if branch_k is not None:
+        ancestors = masks.ancestor_mask(parent)  # [B, N, N]: small trees only
+        seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
+        seen = seen & (nodes >= 0)[:, :, None]
+        s = jnp.einsum("brkgd,bnkd->bkgrn", qg, branch_k, preferred_element_type=jnp.float32)
+        s = jnp.where(seen[:, None, None], s, -jnp.inf)
+        state = _continue(state, s, jnp.swapaxes(branch_v, 1, 2), scale)
+    out, _ = _finish(*state)
+    return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)
+
+
+def cache_slots(tokens: int, limit: int) -> int:
+    """Slots for a cache of `tokens`: whole blocks of the Pallas trunk (which otherwise pads, a copy
+    of the cache per call), but at most `limit`."""
+    return max(tokens, min(limit, -(-tokens // pallas_decode.BLOCK_K) * pallas_decode.BLOCK_K))
+
+
+def trunk_backend(head_dim: int) -> str:
+    """What folds the cache in: `BACKEND`, with "auto" the Pallas kernel on an NVIDIA GPU that
+    can run it and XLA elsewhere."""
+    if BACKEND != "auto":
+        return BACKEND
+    return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"
+
+
+def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, scale):
+    """The online-softmax state (m, l, acc) [B,K,G,R(,D)] of queries qg [B,R,K,G,D] after every
+    cache slot they see, chunk by chunk in XLA."""
+    b, r, hkv, g, d = qg.shape
+    shape = (b, hkv, g, r)
     state = (
         jnp.full(shape, -jnp.inf, jnp.float32),
         jnp.zeros(shape, jnp.float32),
@@ -77,7 +122,7 @@ def decode_attention(
         s = jnp.where(seen[:, None, None], s, -jnp.inf)
         return _continue(state, s, sl(v, 2), scale)
 
-    full, rest = divmod(s_len, CHUNK)
+    full, rest = divmod(k.shape[2], CHUNK)
     if full > 1:
         body = lambda state, i: (trunk_chunk(state, i * CHUNK, CHUNK), None)
         state, _ = jax.lax.scan(body, state, jnp.arange(full))
@@ -85,12 +130,4 @@ def decode_attention(
         state = trunk_chunk(state, 0, CHUNK)
     if rest:
         state = trunk_chunk(state, full * CHUNK, rest)
-    if branch_k is not None:
-        ancestors = masks.ancestor_mask(parent)  # [B, N, N]: small trees only
-        seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
-        seen = seen & (nodes >= 0)[:, :, None]
-        s = jnp.einsum("brkgd,bnkd->bkgrn", qg, branch_k, preferred_element_type=jnp.float32)
-        s = jnp.where(seen[:, None, None], s, -jnp.inf)
-        state = _continue(state, s, jnp.swapaxes(branch_v, 1, 2), scale)
-    out, _ = _finish(*state)
-    return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)
+    return state

@@ -36,6 +36,8 @@ import numpy as np
 from flax import nnx
 
 from jspec import config as config_lib
+from jspec.attention import decode as decode_attention
+from jspec.attention.decode import cache_slots
 from jspec.config import RolloutConfig, TreeConfig
 from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
@@ -97,15 +99,18 @@ TREES = {
 
 
 @contextlib.contextmanager
-def few_queries(n: int):
-    """Rollout attention takes `impl="decode"` up to n queries per row (0: the block kernels);
-    `generate`'s compiled programs are dropped on the way in and out, as they baked in the rule."""
-    saved, transformer.FEW_QUERIES = transformer.FEW_QUERIES, n
+def rollout_attention(few_queries: int | None = None, backend: str | None = None):
+    """Rollout attention takes `impl="decode"` up to `few_queries` queries per row (0: the block
+    kernels), its cache part on `backend` (`jspec.attention.decode.BACKEND`); None keeps a setting.
+    `generate`'s compiled programs are dropped on the way in and out, as they baked both in."""
+    saved = transformer.FEW_QUERIES, decode_attention.BACKEND
+    transformer.FEW_QUERIES = saved[0] if few_queries is None else few_queries
+    decode_attention.BACKEND = saved[1] if backend is None else backend
     decoding._generate.clear_cache()
     try:
         yield
     finally:
-        transformer.FEW_QUERIES = saved
+        transformer.FEW_QUERIES, decode_attention.BACKEND = saved
         decoding._generate.clear_cache()
 
 
@@ -263,7 +268,7 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     step = time_step(None, TreeConfig())
     blocks_step = None
     if args.compare_blocks:
-        with few_queries(0):
+        with rollout_attention(few_queries=0):
             blocks_step = time_step(None, TreeConfig())
     kv_bytes = (
         2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
@@ -271,7 +276,7 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     )  # fmt: skip
     floor = (weight_bytes + kv_bytes) / args.bandwidth
     sizes = {*args.tree_sizes, *(() if args.no_spec else map(tree_nodes, TREES.values()))}
-    slots = args.prompt_len + max(args.new_tokens, *sizes)
+    slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
     loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
     kernels = {}
@@ -333,7 +338,8 @@ def print_choices(rows, path) -> None:
 
 def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
-    equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`), float32."""
+    equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`, the cache part
+    of attention in XLA, not the Pallas kernel), float32."""
     cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
     model = create(cfg)
     draft = random_draft(cfg, args.draft_vocab)
@@ -344,11 +350,12 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     m = lambda state: nnx.merge(graphdef, state)
     prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
     decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
-    logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
     expected = []
-    for _ in range(new_tokens):
-        expected.append(jnp.argmax(logits, axis=-1))
-        logits, cache = decode(state, expected[-1], cache)
+    with rollout_attention(backend="xla"):
+        logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
+        for _ in range(new_tokens):
+            expected.append(jnp.argmax(logits, axis=-1))
+            logits, cache = decode(state, expected[-1], cache)
     expected = np.stack(jax.device_get(expected), axis=1)
     for name, d, tree in (
         ("plain", None, TreeConfig()),
@@ -358,8 +365,9 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
         got = generate(model, d, prompts, lengths, jax.random.key(0), config).tokens
         if not np.array_equal(np.asarray(got), expected):
             raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
-    print(f"greedy check: plain and {', '.join(TREES)} equal the step-by-step loop "
-          f"({batch} x {new_tokens} tokens, float32)", flush=True)  # fmt: skip
+    backend = decode_attention.trunk_backend(cfg.head_dim)
+    print(f"greedy check: plain and {', '.join(TREES)} (cache attention: {backend}) equal the "
+          f"step-by-step loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
 
 
 def random_draft(cfg, draft_vocab: int):

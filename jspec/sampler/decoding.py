@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig, TreeConfig
 from jspec.models.draft import Draft, DraftOut, check_target
@@ -172,7 +173,8 @@ def rollout(
     uses_taps = draft is not None and draft.uses_taps
     first_key, key = jax.random.split(key)
 
-    out = target.prefill(prompts, target.init_cache(b, t + m), lengths, taps=uses_taps)
+    slots = cache_slots(t + m, target.config.max_seq_len)
+    out = target.prefill(prompts, target.init_cache(b, slots), lengths, taps=uses_taps)
     logits, cache = out[:2]
     probs = _sampling_probs(logits, config)
     root = sample_from_probs(first_key, probs)

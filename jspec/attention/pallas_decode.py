@@ -1,0 +1,167 @@
+"""The trunk of few-query attention as a Pallas kernel (Triton lowering): flash decoding.
+
+`decode.decode_attention` folds a heads-major cache [B, Hkv, S, D] into an online-softmax state
+(m, l, acc) for a few query rows per row. In XLA every chunk's scores [B, Hkv, G, R, chunk] go to
+memory and back several times (mask, max, exp, sum, the cast before p @ v), and every slot is
+read, filled or not. Here one program per (row, KV head, query tile, split of the slots) keeps its
+scores on chip and visits only the row's filled blocks (up to its last slot of a non-zero segment);
+the splits' states are merged by log-sum-exp outside. The result is the same state, in the same
+units, so the branch keys continue it in XLA as before.
+
+Forward only: a `custom_vjp` takes gradients through the XLA trunk, so `impl="decode"` stays
+differentiable on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from jspec.attention import blocks, masks
+from jspec.attention.pallas_gpu import _SQ, _dot, plgpu
+
+BLOCK_K = 64  # cache slots per step of a program's loop
+QUERY_TILE = 64  # query rows (G heads x R queries, padded) per program
+TARGET_PROGRAMS = 264  # split the slots until about two programs per H200 SM are in flight
+_LOG2E = math.log2(math.e)
+
+State = tuple[Float[Array, "b k g r"], Float[Array, "b k g r"], Float[Array, "b k g r d"]]
+
+
+def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_ref, m_ref, l_ref,
+            acc_ref, *, scale, per_split):  # fmt: skip
+    q = q_ref[...]
+    qt, d = q.shape
+    qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
+
+    def body(j, carry):
+        m, l, acc = carry
+        rows = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
+        s = _dot(q, k_ref[rows, :], trans_b=True) * (scale * _LOG2E)
+        seen = masks.visible(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None])
+        s = jnp.where(seen, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: p = 0 below
+        p = jnp.exp2(s - m_use[:, None])
+        corr = jnp.exp2(m - m_use)
+        v = v_ref[rows, :]
+        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+        return m_new, l * corr + p.sum(axis=-1), acc
+
+    lo = pl.program_id(3) * per_split
+    hi = jnp.minimum(lo + per_split, live_ref[0])
+    init = (
+        jnp.full((qt,), -jnp.inf, jnp.float32),
+        jnp.zeros((qt,), jnp.float32),
+        jnp.zeros((qt, d), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
+    m_ref[...] = m / _LOG2E  # base 2 -> the natural units of `decode._continue`
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def _splits(programs: int, blocks_per_row: int) -> int:
+    """Splits of a row's slots: enough programs to fill the GPU, at least one block each."""
+    return max(1, min(blocks_per_row, -(-TARGET_PROGRAMS // programs)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _trunk_kernel(qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret) -> State:
+    b, r, hkv, g, d = qg.shape
+    s_len = k.shape[2]
+    if s_len % BLOCK_K:  # a cache from `Transformer.init_cache` is whole blocks already
+        slots = blocks.round_up(s_len, BLOCK_K)
+        k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, slots - s_len), (0, 0)]) for x in (k, v))
+        seg, pos = (blocks.pad_rows(x, slots) for x in (seg, pos))
+        s_len = slots
+    n_blocks = s_len // BLOCK_K
+    # Query row i = h * R + j is head h of the group, query j; padding rows carry segment 0.
+    rows = g * r
+    tile = min(QUERY_TILE, max(16, pl.next_power_of_2(rows)))
+    padded = blocks.round_up(rows, tile)
+    q_all = jnp.moveaxis(qg, 1, 3).reshape(b, hkv, rows, d)
+    q_all = jnp.pad(q_all, [(0, 0), (0, 0), (0, padded - rows), (0, 0)])
+    qseg_all, qpos_all = (blocks.pad_rows(jnp.tile(x, (1, g)), padded) for x in (q_seg, q_pos))
+    filled = jnp.max(jnp.where(seg != 0, jnp.arange(s_len) + 1, 0), axis=1)
+    live = (-(-filled // BLOCK_K)).astype(jnp.int32)[:, None]  # blocks a program may visit
+
+    n_tiles = padded // tile
+    n_split = _splits(b * hkv * n_tiles, n_blocks)
+    per_split = -(-n_blocks // n_split)
+    grid = (b, hkv, n_tiles, n_split)
+    kv_spec = pl.BlockSpec((_SQ, _SQ, s_len, d), lambda i, h, t, c: (i, h, 0, 0))
+    tok_spec = pl.BlockSpec((_SQ, s_len), lambda i, h, t, c: (i, 0))
+    qtok_spec = pl.BlockSpec((_SQ, tile), lambda i, h, t, c: (i, t))
+
+    def part(*tail):  # one program's share of a [B, Hkv, splits, rows, *tail] output
+        return pl.BlockSpec(
+            (_SQ, _SQ, _SQ, tile, *tail), lambda i, h, t, c: (i, h, c, t, *(0,) * len(tail))
+        )
+
+    m, l, acc = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, per_split=per_split),
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((_SQ, 1), lambda i, h, t, c: (i, 0)),
+            pl.BlockSpec((_SQ, _SQ, tile, d), lambda i, h, t, c: (i, h, t, 0)),
+            qtok_spec,
+            qtok_spec,
+            kv_spec,
+            kv_spec,
+            tok_spec,
+            tok_spec,
+        ],
+        out_specs=[part(), part(), part(d)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, n_split, padded), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_split, padded), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_split, padded, d), jnp.float32),
+        ],
+        compiler_params=None if plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jspec_decode_trunk",
+    )(live, q_all, qseg_all, qpos_all, k, v, seg, pos)
+    m, l, acc = _merge_splits(m[..., :rows], l[..., :rows], acc[..., :rows, :])
+    return m.reshape(b, hkv, g, r), l.reshape(b, hkv, g, r), acc.reshape(b, hkv, g, r, d)
+
+
+def _merge_splits(m, l, acc):
+    """One online-softmax state from the splits' (axis 2), by their log-sum-exp."""
+    m_all = jnp.max(m, axis=2)
+    m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    w = jnp.exp(m - m_safe[:, :, None])  # 0 for a split that saw nothing (m = -inf)
+    return m_all, jnp.sum(l * w, axis=2), jnp.sum(acc * w[..., None], axis=2)
+
+
+def trunk_state(
+    qg: Float[Array, "b r k g d"],
+    q_seg: Int[Array, "b r"],
+    q_pos: Int[Array, "b r"],
+    k: Float[Array, "b k s d"],
+    v: Float[Array, "b k s d"],
+    seg: Int[Array, "b s"],
+    pos: Int[Array, "b s"],
+    xla_trunk,
+    *,
+    scale: float,
+    interpret: bool = False,
+) -> State:
+    """The state (m, l, acc) of the queries qg after every cache slot they see, by the kernel;
+    gradients by `xla_trunk` (same arguments, same result, plain XLA)."""
+
+    @jax.custom_vjp
+    def trunk(*args):
+        return _trunk_kernel(*args, scale=scale, interpret=interpret)
+
+    def bwd(args, ct):
+        return jax.vjp(xla_trunk, *args)[1](ct)
+
+    trunk.defvjp(lambda *args: (trunk(*args), args), bwd)
+    return trunk(qg, q_seg, q_pos, k, v, seg, pos)

@@ -63,9 +63,12 @@ def parse_args(argv=None):
         help="EAGLE-3 draft vocabulary (at most the target's)",
     )
     p.add_argument(
-        "--compare-blocks",
-        action="store_true",
-        help="also time the plain step with the block kernels in place of impl='decode'",
+        "--compare",
+        nargs="*",
+        choices=sorted(COMPARED),
+        default=[],
+        help="also time the plain step with other rollout attention: 'blocks' (the block kernels "
+        "in place of impl='decode'), 'xla' (the cache part in XLA, not the Pallas kernel)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
@@ -96,6 +99,10 @@ TREES = {
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
     "dynamic 8 (SGLang)": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
 }
+
+
+# Other rollout attention the plain step can be timed with (`--compare`): `rollout_attention` args.
+COMPARED = {"blocks": dict(few_queries=0), "xla": dict(backend="xla")}
 
 
 @contextlib.contextmanager
@@ -266,10 +273,10 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
     time_step = lambda d, tree: step_seconds(model, d, tree, prompts, lengths, args)[0]
     step = time_step(None, TreeConfig())
-    blocks_step = None
-    if args.compare_blocks:
-        with rollout_attention(few_queries=0):
-            blocks_step = time_step(None, TreeConfig())
+    compared = {}
+    for name in args.compare:
+        with rollout_attention(**COMPARED[name]):
+            compared[name] = 1e3 * time_step(None, TreeConfig())
     kv_bytes = (
         2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
         * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
@@ -293,7 +300,7 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     return dict(
         batch=batch,
         decode_ms=1e3 * step,
-        decode_ms_block_kernels=None if blocks_step is None else 1e3 * blocks_step,
+        decode_ms_compared=compared,
         tokens_per_s=batch / step,
         floor_ms=1e3 * floor,
         of_floor=floor / step,
@@ -402,11 +409,10 @@ def trained(args):
 
 def print_row(r) -> None:
     curve = ", ".join(f"{n}: {x:.2f}" for n, x in r["verify_in_decode_steps"].items())
-    blocks = r["decode_ms_block_kernels"]
-    blocks = "" if blocks is None else f" (block kernels {blocks:.2f})"
+    compared = "".join(f" ({name}: {ms:.2f})" for name, ms in r["decode_ms_compared"].items())
     parts = [
         f"batch {r['batch']:4d}",
-        f"decode {r['decode_ms']:8.2f} ms" + blocks,
+        f"decode {r['decode_ms']:8.2f} ms" + compared,
         f"{r['tokens_per_s']:10,.0f} tok/s",
         f"floor {r['floor_ms']:.2f} ms ({100 * r['of_floor']:.0f}%)",
         f"verify/decode {curve}",

@@ -604,3 +604,19 @@ def test_ring_in_a_layer_scan_keeps_no_buffer_of_all_tiles():
 def test_check_alignment_accepts_aligned_rows():
     seg = jnp.asarray([[1] * 8 + [2] * 4 + [0] * 4])
     zigzag.check_alignment(seg, 2)
+
+
+@pytest.mark.parametrize("dtype, batch, queries", [(jnp.bfloat16, 4, 5), (jnp.float32, 1, 40)])
+def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, queries):
+    """The kernel GPUs run for impl='decode' lowers to Triton for CUDA, here on the CPU (export
+    lowers for a platform it does not run on), so a kernel Triton cannot take fails in CI."""
+    monkeypatch.setattr(decode, "BACKEND", "pallas")
+    hq, hkv, d, s = 32, 8, 128, 576
+    sds = jax.ShapeDtypeStruct
+    ids = lambda n: sds((batch, n), jnp.int32)
+    kv = sds((batch, hkv, s, d), dtype)
+    args = (sds((batch, queries, hq, d), dtype), ids(queries), ids(queries), kv, kv, ids(s), ids(s))
+    attend = lambda *a: decode.decode_attention(*a, None, None, None, None, scale=d**-0.5)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])
+    assert "jspec_decode_trunk" in exported(*args).mlir_module()

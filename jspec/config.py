@@ -370,6 +370,11 @@ class RLConfig:
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
     `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
     n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
+
+    `tree_costs`: a JSON of `launch/bench_rollout.py` (speculative steps timed on this machine);
+    each rollout batch then verifies the tree that pays most at its batch size, by those costs and
+    the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
+    always `rollout.tree`.
     """
 
     task: TaskConfig = TaskConfig()
@@ -395,6 +400,7 @@ class RLConfig:
     keep_checkpoints: int = 3
     max_lag: int = 0
     rollout_mesh: MeshConfig | None = None
+    tree_costs: str | None = None
 
     @property
     def batch(self) -> int:

@@ -8,6 +8,7 @@ Compilation dominates on the CPU: shapes are tiny, the TTT has one branch pass i
 
 import dataclasses
 import functools
+import json
 import shutil
 
 import jax
@@ -16,7 +17,14 @@ import pytest
 from helpers import COMPARED, LOOP, close, close_trees, count_dots, loop, random_rollouts
 
 from jspec import mesh as mesh_lib
-from jspec.config import ConfigError, MeshConfig, ModelConfig, RLConfig, RolloutConfig
+from jspec.config import (
+    ConfigError,
+    MeshConfig,
+    ModelConfig,
+    RLConfig,
+    RolloutConfig,
+    TreeConfig,
+)
 from jspec.launch import train_rl
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, create_eagle3
@@ -188,6 +196,7 @@ def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, cap
         ),
         (["rl.task.name=algebra"], r"rl.task.name='algebra' is not a task; use one of"),
         (["rollout.max_new_tokens=3"], r"rollout.max_new_tokens=3 cannot hold the task's worked"),
+        (["rl.tree_costs=nowhere.json"], r"rl.tree_costs='nowhere.json' is not a file"),
     ],
 )
 def test_bad_run_input_is_named_before_anything_is_built(tmp_path, overrides, message):
@@ -195,3 +204,19 @@ def test_bad_run_input_is_named_before_anything_is_built(tmp_path, overrides, me
         args = [*LOOP, "rl.steps=1", "rl.sft_steps=1", *overrides, "--run-dir", str(tmp_path)]
         train_rl.main([*args, "--compilation-cache", "", "--quiet"])
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("cost, tree", [(1.0, "chain 4"), (9.0, "plain")])
+def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, tree):
+    """rl.tree_costs: the rollouts verify the chain where its measured cost pays for its accepted
+    length, and decode plainly (no draft: accepted length 1) where it does not."""
+    chain = TreeConfig(kind="chain", depth=4)  # the demo's own tree: its programs are compiled
+    row = lambda b: {"batch": b, "speculative": {"chain 4": {"step_in_decode_steps": cost,
+                                                             "accepted_length": 2.0}}}  # fmt: skip
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"trees": {"chain 4": dataclasses.asdict(chain)},
+                                 "rows": [row(1), row(256)]}))  # fmt: skip
+    rows = loop(tmp_path / "run", cache, "rl.steps=2", "rl.sft_steps=5", f"rl.tree_costs={costs}")
+    assert [r["tree"] for r in rows] == [tree, tree]
+    if tree == "plain":
+        assert all(r["accepted_length"] == 1.0 for r in rows)

@@ -1,12 +1,13 @@
 """Choosing the tree per batch size: the largest accepted length over cost, plain decoding when no
 tree pays, costs interpolated in log2(batch) and read from bench_rollout's JSON."""
 
+import dataclasses
 import json
 
 import pytest
 
-from jspec.config import ConfigError
-from jspec.sampler.tree_choice import StepCosts, choose_tree
+from jspec.config import ConfigError, TreeConfig
+from jspec.sampler.tree_choice import StepCosts, TreeChooser, choose_tree
 
 COSTS = StepCosts((1, 64, 256), {"chain": (1.1, 1.5, 3.0), "dynamic": (1.2, 2.6, 6.0)})
 ACCEPTED = {"chain": 2.5, "dynamic": 3.2}
@@ -39,3 +40,54 @@ def test_costs_from_bench_json(tmp_path):
     path = tmp_path / "bench_rollout.json"
     path.write_text(json.dumps({"rows": rows[::-1]}))
     assert StepCosts.from_bench(path) == COSTS
+
+
+def bench_json(path, trees, accepted):
+    """A bench_rollout JSON over COSTS' batches: the trees' fields and, per batch, each tree's cost
+    and accepted length."""
+    rows = [
+        {
+            "batch": b,
+            "speculative": {
+                t: {"step_in_decode_steps": COSTS.cost[t][i], "accepted_length": accepted[t]}
+                for t in trees
+            },
+        }
+        for i, b in enumerate(COSTS.batches)
+    ]
+    fields = {t: dataclasses.asdict(tree) for t, tree in trees.items()}
+    path.write_text(json.dumps({"trees": fields, "rows": rows}))
+    return path
+
+
+TREES = {
+    "chain": TreeConfig(kind="chain", depth=4, sampled=False),
+    "dynamic": TreeConfig(kind="static", parents=(-1, -1, 0), sampled=False),
+}
+
+
+def test_chooser_follows_the_measured_acceptance(tmp_path):
+    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED))
+    assert chooser.pick(1) == ("dynamic", TREES["dynamic"])  # the tree (a tuple) comes back whole
+    assert chooser.pick(64) == ("chain", TREES["chain"])
+    for _ in range(10):  # the dynamic tree accepts less than the bench said: the chain wins at 1
+        chooser.observe("dynamic", 2.0)
+    assert chooser.pick(1)[0] == "chain"
+    chooser.observe(None, 9.0)  # plain decoding measures nothing
+    assert chooser.estimate == pytest.approx({"chain": 2.5, "dynamic": 2.0 + 1.2 * 0.8**10})
+
+
+def test_chooser_decodes_plainly_where_no_tree_pays_and_probes(tmp_path):
+    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED))
+    chooser.probe_every = 3
+    picks = [chooser.pick(256)[0] for _ in range(6)]
+    assert picks == [None, None, "chain", None, None, "chain"]  # 2.5 / 3.0 beats 3.2 / 6.0
+
+
+def test_chooser_needs_a_bench_of_speculative_steps(tmp_path):
+    with pytest.raises(ConfigError, match="rl.tree_costs='.*missing.json' is not a file"):
+        TreeChooser.from_bench(tmp_path / "missing.json")
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps({"trees": {}, "rows": [{"batch": 1, "speculative": {}}]}))
+    with pytest.raises(ConfigError, match="holds no timed speculative steps"):
+        TreeChooser.from_bench(path)

@@ -327,7 +327,9 @@ def main(argv=None):
         prompts = jnp.asarray(np.resize(prompt_rows, (b, args.prompt_len)), jnp.int32)
         rows.append(measure(model, draft, prompts, weight_bytes, args))
         print_row(rows[-1])
-        pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+        trees = {name: dataclasses.asdict(tree) for name, tree in TREES.items()}
+        out = dict(args=vars(args), trees={} if args.no_spec else trees, rows=rows)
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_spec:
         print_choices(rows, args.out)
 

@@ -32,6 +32,7 @@ steps, with the config beside). Run again to resume from the latest checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -55,6 +56,7 @@ from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
+from jspec.sampler.tree_choice import TreeChooser
 
 
 def parse_args(argv=None):
@@ -105,6 +107,9 @@ class Run:
                 f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
                 f"{draft_cfg.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
             )
+        self.trees = None
+        if self.rl.tree_costs is not None and mode != "none":
+            self.trees = TreeChooser.from_bench(self.rl.tree_costs)
         self.networks, self.initial_params = self._build(self.mesh)
         self.sampler_networks = self.networks
         if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later
@@ -212,6 +217,7 @@ class InFlight(NamedTuple):
 
     step: int
     version: int
+    tree: str | None  # the name of the tree `Run.trees` chose (None: as configured, or plain)
     rows: slice
     group: list[tasks.Problem]
     prompts: np.ndarray
@@ -228,9 +234,14 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
     group = [p for p in problems for _ in range(rl.group_size)][mine]
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
+    config, tree, speculative = run.cfg.rollout, None, True
+    if run.trees is not None:
+        tree, tree_config = run.trees.pick(rl.batch)
+        speculative = tree is not None
+        config = config if tree is None else dataclasses.replace(config, tree=tree_config)
     start = time.perf_counter()
-    out = sampler.generate(prompts, prompt_lengths, rl.batch, step, run.cfg.rollout)
-    return InFlight(step, sampler.version, mine, group, prompts, prompt_lengths, out, start)
+    out = sampler.generate(prompts, prompt_lengths, rl.batch, step, config, speculative)
+    return InFlight(step, sampler.version, tree, mine, group, prompts, prompt_lengths, out, start)
 
 
 def finish_rollout(run: Run, job: InFlight):
@@ -249,15 +260,20 @@ def finish_rollout(run: Run, job: InFlight):
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
+    accepted = stats.mean_accepted_length() if run.mode != "none" else 1.0
+    if run.trees is not None:
+        run.trees.observe(job.tree, accepted)
     metrics = {
         "reward": float(all_rewards.mean()),
-        "accepted_length": stats.mean_accepted_length() if run.mode != "none" else 1.0,
+        "accepted_length": accepted,
         "response_length": float(all_lengths.mean()),
         "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,
         "lag": job.step - job.version,
         "task": f"{name}:{difficulty}",
     }
+    if run.trees is not None:
+        metrics["tree"] = job.tree or "plain"
     return run.put(packed, mine.start, rl.batch), metrics
 
 

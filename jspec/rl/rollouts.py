@@ -135,6 +135,7 @@ class Sampler:
         batch: int,
         step: int,
         config: RolloutConfig,
+        speculative: bool = True,
     ) -> Future[Rollout]:
         """Dispatches the rollouts of RL step `step` with the weights held now; returns before
         they are computed. The key depends on the step alone, whatever the weights' version.
@@ -143,8 +144,10 @@ class Sampler:
         that calls it, and on a GPU the rollout's `while_loop` reads its condition back to the
         host at every step, so from the loop's thread it would hold the train step back until the
         rollout ends. The prompts go straight to the rollout mesh, never by a training device:
-        this process's rows (`jspec.hosts`) of a batch of `batch`."""
+        this process's rows (`jspec.hosts`) of a batch of `batch`. `speculative` False decodes
+        plainly, without the draft."""
         policy, draft = self.networks.models(self.params)
+        draft = draft if speculative else None
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), step)
         put = lambda x: hosts.global_array(self.rows, x, batch)  # noqa: E731
         prompts, prompt_lengths = put(prompts), put(prompt_lengths)

@@ -10,7 +10,8 @@ so by its own measurements the choice is never slower than plain decoding.
 
 The costs are measured per batch size by `launch/bench_rollout.py` (read its JSON with
 `StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; accepted lengths
-come from rollouts (`RolloutStats.mean_accepted_length`), which drift as policy and draft train.
+come from rollouts (`RolloutStats.mean_accepted_length`), which drift as policy and draft train:
+`TreeChooser` keeps a running estimate per tree and picks again before every rollout batch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jspec.config import ConfigError
+from jspec.config import ConfigError, TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +73,74 @@ def choose_tree(
         if gain > speedup:
             best, speedup = tree, gain
     return best, speedup
+
+
+class TreeChooser:
+    """The tree of each rollout batch: `choose_tree` on measured costs and running accepted lengths.
+
+    A tree's estimate starts at its accepted length in the bench (its prior) and moves towards
+    what the rollouts that use it measure (an exponential average, weight `decay` on the past).
+    Only the tree in use is measured, so while plain decoding is chosen the estimates stand still:
+    every `probe_every`-th pick then takes the best tree anyway, to measure it again.
+    """
+
+    def __init__(
+        self,
+        costs: StepCosts,
+        trees: Mapping[str, TreeConfig],
+        prior: Mapping[str, float],
+        *,
+        decay: float = 0.8,
+        probe_every: int = 20,
+    ):
+        missing = set(trees) - set(costs.cost)
+        if missing:
+            raise ConfigError(f"trees {sorted(missing)} have no measured cost; measured: "
+                              f"{sorted(costs.cost)}.")  # fmt: skip
+        self.costs, self.trees, self.decay, self.probe_every = (
+            costs,
+            dict(trees),
+            decay,
+            probe_every,
+        )
+        self.estimate = {name: float(prior[name]) for name in trees}
+        self._plain_picks = 0
+
+    @classmethod
+    def from_bench(cls, path: str | pathlib.Path, **kw) -> TreeChooser:
+        """Costs, trees and priors (mean accepted length over the batch sizes) from a JSON of
+        `launch/bench_rollout.py` that timed speculative steps."""
+        if not pathlib.Path(path).is_file():
+            raise ConfigError(
+                f"rl.tree_costs={str(path)!r} is not a file: write one with `python -m "
+                "jspec.launch.bench_rollout` on the rollout machine, or unset rl.tree_costs."
+            )
+        data = json.loads(pathlib.Path(path).read_text())
+        if not data.get("trees") or not all(r["speculative"] for r in data["rows"]):
+            raise ConfigError(
+                f"{path} holds no timed speculative steps; run bench_rollout without --no-spec "
+                "(and with a trained draft) to write one."
+            )
+        tuples = lambda fields: {
+            k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()
+        }
+        trees = {name: TreeConfig(**tuples(f)) for name, f in data["trees"].items()}
+        prior = {t: float(np.mean([r["speculative"][t]["accepted_length"] for r in data["rows"]]))
+                 for t in trees}  # fmt: skip
+        return cls(StepCosts.from_bench(path), trees, prior, **kw)
+
+    def pick(self, batch: int) -> tuple[str | None, TreeConfig | None]:
+        """(name, tree) for a batch of `batch` rows; (None, None): plain decoding."""
+        name, _ = choose_tree(self.costs, batch, self.estimate)
+        if name is None:
+            self._plain_picks += 1
+            if self._plain_picks % self.probe_every:
+                return None, None
+            name = max(self.estimate, key=lambda t: self.estimate[t] / self.costs.at(t, batch))
+        return name, self.trees[name]
+
+    def observe(self, name: str | None, accepted_length: float) -> None:
+        """The mean accepted length the rollouts of tree `name` measured (None: plain, ignored)."""
+        if name is not None:
+            old = self.estimate[name]
+            self.estimate[name] = self.decay * old + (1 - self.decay) * accepted_length

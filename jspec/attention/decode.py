@@ -87,10 +87,11 @@ def decode_attention(
     return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)
 
 
-def cache_slots(tokens: int, limit: int) -> int:
+def cache_slots(tokens: int, limit: int | None = None) -> int:
     """Slots for a cache of `tokens`: whole blocks of the Pallas trunk (which otherwise pads, a copy
-    of the cache per call), but at most `limit`."""
-    return max(tokens, min(limit, -(-tokens // pallas_decode.BLOCK_K) * pallas_decode.BLOCK_K))
+    of the cache per call), but at most `limit` (when given)."""
+    whole = -(-tokens // pallas_decode.BLOCK_K) * pallas_decode.BLOCK_K
+    return max(tokens, whole if limit is None else min(limit, whole))
 
 
 def trunk_backend(head_dim: int) -> str:

@@ -35,14 +35,14 @@ State = tuple[Float[Array, "b k g r"], Float[Array, "b k g r"], Float[Array, "b 
 
 
 def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_ref, m_ref, l_ref,
-            acc_ref, *, scale, per_split):  # fmt: skip
+            acc_ref, *, scale, block_k, n_split):  # fmt: skip
     q = q_ref[...]
     qt, d = q.shape
     qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
 
     def body(j, carry):
         m, l, acc = carry
-        rows = pl.ds(pl.multiple_of(j * BLOCK_K, BLOCK_K), BLOCK_K)
+        rows = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         s = _dot(q, k_ref[rows, :], trans_b=True) * (scale * _LOG2E)
         seen = masks.visible(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None])
         s = jnp.where(seen, s, -jnp.inf)
@@ -54,8 +54,11 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_re
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return m_new, l * corr + p.sum(axis=-1), acc
 
+    # The row's filled blocks, shared among the splits (a cache fills as the rollout goes on).
+    live = live_ref[0]
+    per_split = (live + n_split - 1) // n_split
     lo = pl.program_id(3) * per_split
-    hi = jnp.minimum(lo + per_split, live_ref[0])
+    hi = jnp.minimum(lo + per_split, live)
     init = (
         jnp.full((qt,), -jnp.inf, jnp.float32),
         jnp.zeros((qt,), jnp.float32),
@@ -67,21 +70,19 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_re
     acc_ref[...] = acc
 
 
-def _splits(programs: int, blocks_per_row: int) -> int:
-    """Splits of a row's slots: enough programs to fill the GPU, at least one block each."""
-    return max(1, min(blocks_per_row, -(-TARGET_PROGRAMS // programs)))
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _trunk_kernel(qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret) -> State:
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_k", "target_programs"))
+def _trunk_kernel(
+    qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret, block_k, target_programs
+) -> State:
     b, r, hkv, g, d = qg.shape
+    qg = qg.astype(k.dtype)  # one dtype for the tensor-core dots
     s_len = k.shape[2]
-    if s_len % BLOCK_K:  # a cache from `Transformer.init_cache` is whole blocks already
-        slots = blocks.round_up(s_len, BLOCK_K)
+    if s_len % block_k:  # `generate`'s caches are whole blocks already (`decode.cache_slots`)
+        slots = blocks.round_up(s_len, block_k)
         k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, slots - s_len), (0, 0)]) for x in (k, v))
         seg, pos = (blocks.pad_rows(x, slots) for x in (seg, pos))
         s_len = slots
-    n_blocks = s_len // BLOCK_K
+    n_blocks = s_len // block_k
     # Query row i = h * R + j is head h of the group, query j; padding rows carry segment 0.
     rows = g * r
     tile = min(QUERY_TILE, max(16, pl.next_power_of_2(rows)))
@@ -90,11 +91,11 @@ def _trunk_kernel(qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret) -> Stat
     q_all = jnp.pad(q_all, [(0, 0), (0, 0), (0, padded - rows), (0, 0)])
     qseg_all, qpos_all = (blocks.pad_rows(jnp.tile(x, (1, g)), padded) for x in (q_seg, q_pos))
     filled = jnp.max(jnp.where(seg != 0, jnp.arange(s_len) + 1, 0), axis=1)
-    live = (-(-filled // BLOCK_K)).astype(jnp.int32)[:, None]  # blocks a program may visit
+    live = (-(-filled // block_k)).astype(jnp.int32)[:, None]  # the row's filled blocks
 
     n_tiles = padded // tile
-    n_split = _splits(b * hkv * n_tiles, n_blocks)
-    per_split = -(-n_blocks // n_split)
+    # Enough programs to fill the GPU, but no more splits than blocks.
+    n_split = max(1, min(n_blocks, -(-target_programs // (b * hkv * n_tiles))))
     grid = (b, hkv, n_tiles, n_split)
     kv_spec = pl.BlockSpec((_SQ, _SQ, s_len, d), lambda i, h, t, c: (i, h, 0, 0))
     tok_spec = pl.BlockSpec((_SQ, s_len), lambda i, h, t, c: (i, 0))
@@ -106,7 +107,7 @@ def _trunk_kernel(qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret) -> Stat
         )
 
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, per_split=per_split),
+        functools.partial(_kernel, scale=scale, block_k=block_k, n_split=n_split),
         grid=grid,
         in_specs=[
             pl.BlockSpec((_SQ, 1), lambda i, h, t, c: (i, 0)),
@@ -156,12 +157,17 @@ def trunk_state(
     """The state (m, l, acc) of the queries qg after every cache slot they see, by the kernel;
     gradients by `xla_trunk` (same arguments, same result, plain XLA)."""
 
+    kernel = functools.partial(
+        _trunk_kernel, scale=scale, interpret=interpret, block_k=BLOCK_K,
+        target_programs=TARGET_PROGRAMS,
+    )  # fmt: skip
+
     @jax.custom_vjp
     def trunk(*args):
-        return _trunk_kernel(*args, scale=scale, interpret=interpret)
+        return kernel(*args)
 
     def bwd(args, ct):
         return jax.vjp(xla_trunk, *args)[1](ct)
 
-    trunk.defvjp(lambda *args: (trunk(*args), args), bwd)
+    trunk.defvjp(lambda *args: (kernel(*args), args), bwd)
     return trunk(qg, q_seg, q_pos, k, v, seg, pos)

@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jspec.attention import attention
+from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, ModelConfig
 from jspec.models.transformer import (
     CacheWriter,
@@ -314,9 +315,10 @@ def _lookup(embed: Float[Array, "v d"], tokens: Int[Array, "b t"]) -> Float[Arra
 def _init_cache(layer: ModelConfig, mesh, batch: int, max_len: int) -> KVCache:
     """The one-layer cache; its length follows the target's positions, not the draft's
     own max_seq_len (RoPE of the draft follows the target's)."""
-    layer = dataclasses.replace(layer, max_seq_len=max(max_len, layer.max_seq_len))
+    slots = cache_slots(max_len)
+    layer = dataclasses.replace(layer, max_seq_len=max(slots, layer.max_seq_len))
     model = nnx.eval_shape(lambda: Transformer(layer, rngs=nnx.Rngs(0), mesh=mesh))
-    return model.init_cache(batch, max_len)
+    return model.init_cache(batch, slots)
 
 
 def _tree_anchor_positions(cache: KVCache, depth, shape):
@@ -362,7 +364,8 @@ class ExternalDraft(nnx.Module):
         return self.model.config.num_layers
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return self.model.init_cache(batch, max_len + 1)  # the root sits one slot ahead
+        slots = cache_slots(max_len + 1, self.model.config.max_seq_len)  # the root: one ahead
+        return self.model.init_cache(batch, slots)
 
     def for_rollout(self) -> ExternalDraft:
         return ExternalDraft(self.model.for_rollout())

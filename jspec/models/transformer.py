@@ -261,8 +261,10 @@ class KVCache(NamedTuple):
     known before running): its extra tokens were dropped and its results must not be used.
     """
 
-    k: Float[Array, "l b kv s e"]  # heads-major: the layout decode attention reads (`decode`)
-    v: Float[Array, "l b kv s e"]
+    # One array per layer, heads-major [B,Hkv,S,E]: the layout decode attention reads (`decode`),
+    # and no layer is sliced out of a stack (a copy of it whenever a kernel reads it).
+    k: tuple[Float[Array, "b kv s e"], ...]
+    v: tuple[Float[Array, "b kv s e"], ...]
     segment_ids: Int[Array, "b s"]
     positions: Int[Array, "b s"]
     length: Int[Array, " b"]
@@ -293,9 +295,10 @@ class KVCache(NamedTuple):
         with `slots` and `with_tokens`.
         """
         slot_BN = self.slots(count, k.shape[2])
-        return self.with_tokens(slot_BN, count)._replace(
-            k=write_kv(self.k, k, slot_BN), v=write_kv(self.v, v, slot_BN)
+        write = lambda layers, new: tuple(
+            map(functools.partial(write_kv, slot_BN=slot_BN), layers, new)
         )
+        return self.with_tokens(slot_BN, count)._replace(k=write(self.k, k), v=write(self.v, v))
 
     def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
         """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they
@@ -311,21 +314,18 @@ class KVCache(NamedTuple):
         )
 
 
-def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"], layer=None) -> Array:
-    """Writes new K or V at the slots of each row of a cache [L,B,K,S,E]: all layers [L,B,N,K,E],
-    or with `layer` that layer's [B,N,K,E]. Slots past the end are dropped."""
-    b, n = slot_BN.shape
-    rows = jnp.arange(b)[:, None, None]
-    heads = jnp.arange(cache_kv.shape[2])[None, :, None]
-    slots = slot_BN[:, None, :]
-    new = jnp.swapaxes(new_kv, -3, -2).astype(cache_kv.dtype)  # [..., B, K, N, E]
-    index = (slice(None), rows, heads, slots) if layer is None else (layer, rows, heads, slots)
-    return cache_kv.at[index].set(new, mode="drop")
+def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"]) -> Array:
+    """Writes a layer's new K or V [B,N,K,E] at the slots of each row of its cache [B,K,S,E] (in
+    place under `jit` when the cache is donated or carried). Slots past the end are dropped."""
+    rows = jnp.arange(slot_BN.shape[0])[:, None, None]
+    heads = jnp.arange(cache_kv.shape[1])[None, :, None]
+    new = jnp.swapaxes(new_kv, 1, 2).astype(cache_kv.dtype)  # [B, K, N, E]
+    return cache_kv.at[rows, heads, slot_BN[:, None, :]].set(new, mode="drop")
 
 
 class CacheWriter:
     """Attention of T new tokens per row that continue the cache's documents: each layer writes the
-    tokens' K/V into its slice of the cache (in place) and the tokens attend to that slice.
+    tokens' K/V into its cache (in place) and the tokens attend to it.
 
     `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
     """
@@ -339,10 +339,11 @@ class CacheWriter:
 
     def attend(self, i: int, q, k, v):
         c = self.cache
-        k_all, v_all = (write_kv(a, x, self.slot_BT, layer=i) for a, x in ((c.k, k), (c.v, v)))
-        self.cache = c._replace(k=k_all, v=v_all)
+        k_i, v_i = write_kv(c.k[i], k, self.slot_BT), write_kv(c.v[i], v, self.slot_BT)
+        put = lambda layers, x: (*layers[:i], x, *layers[i + 1 :])
+        self.cache = c._replace(k=put(c.k, k_i), v=put(c.v, v_i))
         return attention(
-            q, k_all[i], v_all[i], c.segment_ids, c.positions,
+            q, k_i, v_i, c.segment_ids, c.positions,
             q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
             impl=rollout_impl(q.shape[1]), heads_major=True,
         )  # fmt: skip
@@ -515,11 +516,12 @@ class Transformer(nnx.Module):
                 f"a cache of {max_len} slots exceeds model.max_seq_len={c.max_seq_len}; ask for "
                 "fewer tokens, or raise model.max_seq_len if the model was trained for more."
             )
-        shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         bs = ROLLOUT_ACT[0]
-        kv = lambda: self._constrain(
-            jnp.zeros(shape, jnp.dtype(c.dtype)), (None, bs, "act_kv_heads", None, None)
+        zeros = lambda: self._constrain(
+            jnp.zeros(shape, jnp.dtype(c.dtype)), (bs, "act_kv_heads", None, None)
         )
+        kv = lambda: tuple(zeros() for _ in range(c.num_layers))
         ids = lambda: self._constrain(jnp.zeros((batch, max_len), jnp.int32), (bs, None))
         length = self._constrain(jnp.zeros((batch,), jnp.int32), (bs,))
         return KVCache(kv(), kv(), ids(), ids(), length, jnp.zeros((batch,), bool))

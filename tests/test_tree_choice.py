@@ -91,3 +91,8 @@ def test_chooser_needs_a_bench_of_speculative_steps(tmp_path):
     path.write_text(json.dumps({"trees": {}, "rows": [{"batch": 1, "speculative": {}}]}))
     with pytest.raises(ConfigError, match="holds no timed speculative steps"):
         TreeChooser.from_bench(path)
+    bench = json.loads(bench_json(path, TREES, ACCEPTED).read_text())
+    del bench["rows"][1]["speculative"]["chain"]
+    path.write_text(json.dumps(bench))
+    with pytest.raises(ConfigError, match=r"batch 64 has no step of \['chain'\]"):
+        TreeChooser.from_bench(path)

@@ -235,8 +235,10 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     group = [p for p in problems for _ in range(rl.group_size)][mine]
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
     config, tree, speculative = run.cfg.rollout, None, True
-    if run.trees is not None:
-        tree, tree_config = run.trees.pick(rl.batch)
+    if run.trees is not None:  # the bench timed one device: its batch is the rows per device
+        sampler_mesh = run.rollout_mesh or run.mesh
+        shards = sampler_mesh.shape["data"] * sampler_mesh.shape["context"]
+        tree, tree_config = run.trees.pick(rl.batch // shards)
         speculative = tree is not None
         config = config if tree is None else dataclasses.replace(config, tree=tree_config)
     start = time.perf_counter()

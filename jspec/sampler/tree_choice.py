@@ -125,6 +125,9 @@ class TreeChooser:
             k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()
         }
         trees = {name: TreeConfig(**tuples(f)) for name, f in data["trees"].items()}
+        for r in data["rows"]:
+            if missing := set(trees) - set(r["speculative"]):
+                raise ConfigError(f"{path}: batch {r['batch']} has no step of {sorted(missing)}.")
         prior = {t: float(np.mean([r["speculative"][t]["accepted_length"] for r in data["rows"]]))
                  for t in trees}  # fmt: skip
         return cls(StepCosts.from_bench(path), trees, prior, **kw)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from helpers import close
 
+from jspec.attention import decode
 from jspec.config import ConfigError, MeshConfig, ModelConfig
 from jspec.mesh import logical_spec, make_mesh, sharding
 from jspec.models import KVCache, Transformer, create, param_shardings
@@ -197,8 +198,11 @@ def test_taps_are_layer_inputs(model, fns):
     np.testing.assert_array_equal(taps[0], model.embed[...][seq])  # tap layer 0: embeddings
 
 
-def test_rollout_on_a_mesh_matches_one_device(model, fns):
-    """Rows split over data x context (extra data parallelism in rollout), heads over tensor."""
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
+    """Rows split over data x context (extra data parallelism in rollout), heads over tensor; the
+    cache part of attention in XLA, or in the Pallas kernel (interpreted) inside `shard_map`."""
+    monkeypatch.setattr(decode, "BACKEND", backend)
     state, forward, *_ = fns
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     graphdef = graphdef_for(model.config, mesh)

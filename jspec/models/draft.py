@@ -274,7 +274,7 @@ class Eagle3Draft(nnx.Module):
         return self.extend(embed, nxt, features, lengths, cache)
 
     def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut:
-        writer = CacheWriter(cache, count, tokens.shape[1])
+        writer = CacheWriter(cache, count, tokens.shape[1], self.mesh)
         cos_sin = rope_angles(self.config.layer, writer.q_positions)
         attend = functools.partial(writer.attend, 0)
         out, _ = self.layer(_lookup(embed, tokens), self.fuse(features), cos_sin, attend)
@@ -284,7 +284,9 @@ class Eagle3Draft(nnx.Module):
     def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
 
-        attend = lambda q, k, v: cache_attention(cache, 0, tree.branch(0, q, k, v, anchor, parent))
+        attend = lambda q, k, v: cache_attention(
+            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh
+        )
 
         cos_sin = rope_angles(self.config.layer, positions)
         out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jspec import mesh as mesh_lib
@@ -330,7 +331,8 @@ class CacheWriter:
     `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
     """
 
-    def __init__(self, cache: KVCache, count: Int[Array, " b"], t: int):
+    def __init__(self, cache: KVCache, count: Int[Array, " b"], t: int, mesh: Mesh | None = None):
+        self.mesh = mesh
         j = jnp.arange(t, dtype=jnp.int32)
         self.q_positions = cache.length[:, None] + j
         self.q_segment_ids = (j < count[:, None]).astype(jnp.int32)
@@ -342,11 +344,8 @@ class CacheWriter:
         k_i, v_i = write_kv(c.k[i], k, self.slot_BT), write_kv(c.v[i], v, self.slot_BT)
         put = lambda layers, x: (*layers[:i], x, *layers[i + 1 :])
         self.cache = c._replace(k=put(c.k, k_i), v=put(c.v, v_i))
-        return attention(
-            q, k_i, v_i, c.segment_ids, c.positions,
-            q_segment_ids=self.q_segment_ids, q_positions=self.q_positions,
-            impl=rollout_impl(q.shape[1]), heads_major=True,
-        )  # fmt: skip
+        ids = dict(q_segment_ids=self.q_segment_ids, q_positions=self.q_positions)
+        return rollout_attention(self.mesh, q, k_i, v_i, c.segment_ids, c.positions, **ids)
 
 
 def rollout_impl(queries: int) -> str:
@@ -354,11 +353,36 @@ def rollout_impl(queries: int) -> str:
     return "decode" if queries <= FEW_QUERIES else "auto"
 
 
-def cache_attention(cache: KVCache, layer: int, branch: Branch):
+def cache_attention(cache: KVCache, layer: int, branch: Branch, mesh: Mesh | None = None):
     """Branch nodes (verification, draft trees) against one layer of the cache."""
     k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
-    impl = rollout_impl(branch.q.shape[1])
-    return attention(None, k, v, seg, pos, branch=branch, impl=impl, heads_major=True)[1]
+    return rollout_attention(mesh, None, k, v, seg, pos, branch=branch)[1]
+
+
+def rollout_attention(mesh: Mesh | None, q, k, v, segment_ids, positions, **kw):
+    """`attention` of rollout queries q [B,T,H,E] (or None, with a `branch`) against a layer's
+    cache [B,Hkv,S,E]. On a mesh of several devices it runs inside `shard_map`, rows and heads
+    split as `jspec.mesh.RULES` places them (every row and KV head is independent): a Pallas
+    kernel has no SPMD partitioning rule, so XLA would gather its inputs to every device."""
+    queries = (q if q is not None else kw["branch"].q).shape[1]
+    call = lambda q, k, v, seg, pos, kw: attention(
+        q, k, v, seg, pos, impl=rollout_impl(queries), heads_major=True, **kw
+    )
+    if mesh is None or mesh.size == 1:
+        return call(q, k, v, segment_ids, positions, kw)
+    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
+    ids, q_spec = P(rows, None), P(rows, None, heads, None)
+    kw_specs = {name: ids for name in kw if name != "branch"}
+    if "branch" in kw:
+        kw_specs["branch"] = jax.tree.map(
+            lambda x: q_spec if x.ndim == 4 else ids, kw["branch"]
+        )._replace(k=P(rows, None, kv, None), v=P(rows, None, kv, None))
+    specs = (None if q is None else q_spec, P(rows, kv, None, None), P(rows, kv, None, None), ids,
+             ids, kw_specs)  # fmt: skip
+    out_specs = q_spec if "branch" not in kw else (None if q is None else q_spec, q_spec)
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(
+        q, k, v, segment_ids, positions, kw
+    )
 
 
 def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
@@ -551,7 +575,7 @@ class Transformer(nnx.Module):
                 f"lengths[{r}]={int(lengths[r])}: every row needs at least one new token (a row "
                 "with none has no logits to return); drop the row or give it a token."
             )
-        writer = CacheWriter(cache, lengths, t)
+        writer = CacheWriter(cache, lengths, t, self.mesh)
         x_BTD = self._embed(tokens, ROLLOUT_ACT)
         cos_sin = rope_angles(self.config, writer.q_positions)
         x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, taps)
@@ -593,7 +617,7 @@ class Transformer(nnx.Module):
                 branch = Branch(q, k, v, anchor, parent)
             else:
                 branch = earlier.branch(i, q, k, v, anchor, parent)
-            return cache_attention(cache, i, branch)
+            return cache_attention(cache, i, branch, self.mesh)
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
         x_BND, taps_, (k, v) = self._unrolled(

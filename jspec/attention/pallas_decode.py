@@ -135,6 +135,8 @@ def _trunk_kernel(
 
 def _merge_splits(m, l, acc):
     """One online-softmax state from the splits' (axis 2), by their log-sum-exp."""
+    if m.shape[2] == 1:
+        return m[:, :, 0], l[:, :, 0], acc[:, :, 0]
     m_all = jnp.max(m, axis=2)
     m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
     w = jnp.exp(m - m_safe[:, :, None])  # 0 for a split that saw nothing (m = -inf)

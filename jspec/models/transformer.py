@@ -368,9 +368,10 @@ def rollout_attention(mesh: Mesh | None, q, k, v, segment_ids, positions, **kw):
     call = lambda q, k, v, seg, pos, kw: attention(
         q, k, v, seg, pos, impl=rollout_impl(queries), heads_major=True, **kw
     )
-    if mesh is None or mesh.size == 1:
-        return call(q, k, v, segment_ids, positions, kw)
     rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
+    row_axes = (rows,) if isinstance(rows, str) else tuple(rows or ())
+    if mesh is None or mesh.size == 1 or k.shape[0] % math.prod(mesh.shape[a] for a in row_axes):
+        return call(q, k, v, segment_ids, positions, kw)  # (rows that do not split: unsharded)
     ids, q_spec = P(rows, None), P(rows, None, heads, None)
     kw_specs = {name: ids for name in kw if name != "branch"}
     if "branch" in kw:

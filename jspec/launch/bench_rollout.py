@@ -68,7 +68,8 @@ def parse_args(argv=None):
         choices=sorted(COMPARED),
         default=[],
         help="also time the plain step with other rollout attention: 'blocks' (the block kernels "
-        "in place of impl='decode'), 'xla' (the cache part in XLA, not the Pallas kernel)",
+        "in place of impl='decode'; they transpose the heads-major cache, a copy per layer), "
+        "'xla' (the cache part in XLA, not the Pallas kernel)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")

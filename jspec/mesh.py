@@ -91,6 +91,13 @@ def logical_spec(names: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def axis_size(mesh: Mesh, name: str) -> int:
+    """How many ways the logical axis `name` is split on `mesh` (1: replicated)."""
+    axes = RULES[name]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def sharding(mesh: Mesh, names: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(names))
 

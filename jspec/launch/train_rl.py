@@ -236,8 +236,7 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
     config, tree, speculative = run.cfg.rollout, None, True
     if run.trees is not None:  # the bench timed one device: its batch is the rows per device
-        sampler_mesh = run.rollout_mesh or run.mesh
-        shards = sampler_mesh.shape["data"] * sampler_mesh.shape["context"]
+        shards = mesh_lib.axis_size(run.rollout_mesh or run.mesh, "decode_batch")
         tree, tree_config = run.trees.pick(rl.batch // shards)
         speculative = tree is not None
         config = config if tree is None else dataclasses.replace(config, tree=tree_config)

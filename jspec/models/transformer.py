@@ -25,7 +25,6 @@ K key/value heads, E head dim, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -77,10 +76,10 @@ def check_mesh(config: ModelConfig, mesh: Mesh | None) -> None:
         axes = mesh_lib.RULES.get(name)
         if axes is None:
             continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        size = math.prod(mesh.shape[a] for a in axes)
+        size = mesh_lib.axis_size(mesh, name)
         value = getattr(config, field)
         if value % size:
+            axes = (axes,) if isinstance(axes, str) else axes
             mesh_size = " x ".join(f"mesh.{a}" for a in axes)
             raise ConfigError(
                 f"model.{field}={value} is not divisible by {size}, the size of {mesh_size} that "
@@ -368,10 +367,9 @@ def rollout_attention(mesh: Mesh | None, q, k, v, segment_ids, positions, **kw):
     call = lambda q, k, v, seg, pos, kw: attention(
         q, k, v, seg, pos, impl=rollout_impl(queries), heads_major=True, **kw
     )
-    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
-    row_axes = (rows,) if isinstance(rows, str) else tuple(rows or ())
-    if mesh is None or mesh.size == 1 or k.shape[0] % math.prod(mesh.shape[a] for a in row_axes):
+    if mesh is None or mesh.size == 1 or k.shape[0] % mesh_lib.axis_size(mesh, "decode_batch"):
         return call(q, k, v, segment_ids, positions, kw)  # (rows that do not split: unsharded)
+    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
     ids, q_spec = P(rows, None), P(rows, None, heads, None)
     kw_specs = {name: ids for name in kw if name != "branch"}
     if "branch" in kw:

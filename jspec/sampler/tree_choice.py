@@ -97,12 +97,8 @@ class TreeChooser:
         if missing:
             raise ConfigError(f"trees {sorted(missing)} have no measured cost; measured: "
                               f"{sorted(costs.cost)}.")  # fmt: skip
-        self.costs, self.trees, self.decay, self.probe_every = (
-            costs,
-            dict(trees),
-            decay,
-            probe_every,
-        )
+        self.costs, self.trees = costs, dict(trees)
+        self.decay, self.probe_every = decay, probe_every
         self.estimate = {name: float(prior[name]) for name in trees}
         self._plain_picks = 0
 

@@ -306,8 +306,8 @@ def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, ba
     trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row."""
     monkeypatch.setattr(decode, "CHUNK", chunk)
     monkeypatch.setattr(decode, "BACKEND", backend)
-    monkeypatch.setattr(pallas_decode, "BLOCK_K", 16)
-    monkeypatch.setattr(pallas_decode, "TARGET_PROGRAMS", 4 * 3 * HKV)
+    tiling = pallas_decode.Tiling(block_k=16, target_programs=4 * 3 * HKV)
+    monkeypatch.setattr(pallas_decode, "TILING", tiling)
     rng = np.random.default_rng(11)
     b, s, n = 3, 80, 7
     seg, pos = packed_rows(rng, b, s, 4)
@@ -609,7 +609,8 @@ def test_check_alignment_accepts_aligned_rows():
 @pytest.mark.parametrize("dtype, batch, queries", [(jnp.bfloat16, 4, 5), (jnp.float32, 1, 40)])
 def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, queries):
     """The kernel GPUs run for impl='decode' lowers to Triton for CUDA, here on the CPU (export
-    lowers for a platform it does not run on), so a kernel Triton cannot take fails in CI."""
+    lowers for a platform it does not run on), so a kernel Triton cannot take fails in CI. The
+    GPU it lowers for is named by an abstract device (jax 0.11 asks the device for its kind)."""
     monkeypatch.setattr(decode, "BACKEND", "pallas")
     hq, hkv, d, s = 32, 8, 128, 576
     sds = jax.ShapeDtypeStruct
@@ -619,4 +620,6 @@ def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, querie
     attend = lambda *a: decode.decode_attention(*a, None, None, None, None, scale=d**-0.5)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])
-    assert "jspec_decode_trunk" in exported(*args).mlir_module()
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h200)):
+        assert "jspec_decode_trunk" in exported(*args).mlir_module()

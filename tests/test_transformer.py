@@ -223,7 +223,8 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
 
 
 def test_for_rollout_computes_what_the_model_computes(model, fns):
-    """The unstacked copy of the rollout loop: the same decode, the original left stacked."""
+    """The unstacked copy of the rollout loop, its products fused: the same decode, the original
+    left stacked."""
     state, *_ = fns
     graphdef = nnx.split(model)[0]
     prompt = np.random.RandomState(9).randint(0, CONFIG.vocab_size, (2, 6)).astype(np.int32)
@@ -237,7 +238,15 @@ def test_for_rollout_computes_what_the_model_computes(model, fns):
     run = jax.jit(run, static_argnums=1)
     np.testing.assert_array_equal(run(state, True), run(state, False))
     assert model.unstacked is None
-    assert model.for_rollout().unstacked[2].wq.shape == model.layers.wq.shape[1:]
+    layer, c = model.for_rollout().unstacked[2], CONFIG
+    g = c.num_heads // c.num_kv_heads
+    assert layer.wq is None and layer.w_qkv.shape == (
+        c.hidden_size,
+        c.num_kv_heads,
+        g + 2,
+        c.head_dim,
+    )
+    assert layer.w_gate_up.shape == (c.hidden_size, 2, c.intermediate_size)
 
 
 # ---------------------------------------------------------------------------------------------

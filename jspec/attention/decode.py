@@ -90,7 +90,8 @@ def decode_attention(
 def cache_slots(tokens: int, limit: int | None = None) -> int:
     """Slots for a cache of `tokens`: whole blocks of the Pallas trunk (which otherwise pads, a copy
     of the cache per call), but at most `limit` (when given)."""
-    whole = -(-tokens // pallas_decode.BLOCK_K) * pallas_decode.BLOCK_K
+    block = pallas_decode.TILING.block_k
+    whole = -(-tokens // block) * block
     return max(tokens, whole if limit is None else min(limit, whole))
 
 

@@ -14,6 +14,7 @@ differentiable on every backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -26,9 +27,19 @@ from jaxtyping import Array, Float, Int
 from jspec.attention import blocks, masks
 from jspec.attention.pallas_gpu import _SQ, _dot, plgpu
 
-BLOCK_K = 64  # cache slots per step of a program's loop
-QUERY_TILE = 64  # query rows (G heads x R queries, padded) per program
-TARGET_PROGRAMS = 264  # split the slots until about two programs per H200 SM are in flight
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How the kernel cuts its work (`launch/bench_decode_kernel.py` times the choices)."""
+
+    block_k: int = 64  # cache slots per step of a program's loop
+    query_tile: int = 64  # query rows (G heads x R queries, padded) per program
+    target_programs: int = 264  # split the slots until about this many programs are in flight
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+TILING = Tiling()
 _LOG2E = math.log2(math.e)
 
 State = tuple[Float[Array, "b k g r"], Float[Array, "b k g r"], Float[Array, "b k g r d"]]
@@ -70,11 +81,13 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_re
     acc_ref[...] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_k", "target_programs"))
-def _trunk_kernel(
-    qg, q_seg, q_pos, k, v, seg, pos, *, scale, interpret, block_k, target_programs
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))
+def trunk_kernel(
+    qg, q_seg, q_pos, k, v, seg, pos, *, scale: float, interpret: bool, tiling: Tiling
 ) -> State:
+    """The kernel's state (forward only); `trunk_state` is the differentiable entry."""
     b, r, hkv, g, d = qg.shape
+    block_k = tiling.block_k
     qg = qg.astype(k.dtype)  # one dtype for the tensor-core dots
     s_len = k.shape[2]
     if s_len % block_k:  # `generate`'s caches are whole blocks already (`decode.cache_slots`)
@@ -85,7 +98,7 @@ def _trunk_kernel(
     n_blocks = s_len // block_k
     # Query row i = h * R + j is head h of the group, query j; padding rows carry segment 0.
     rows = g * r
-    tile = min(QUERY_TILE, max(16, pl.next_power_of_2(rows)))
+    tile = min(tiling.query_tile, max(16, pl.next_power_of_2(rows)))
     padded = blocks.round_up(rows, tile)
     q_all = jnp.moveaxis(qg, 1, 3).reshape(b, hkv, rows, d)
     q_all = jnp.pad(q_all, [(0, 0), (0, 0), (0, padded - rows), (0, 0)])
@@ -95,7 +108,7 @@ def _trunk_kernel(
 
     n_tiles = padded // tile
     # Enough programs to fill the GPU, but no more splits than blocks.
-    n_split = max(1, min(n_blocks, -(-target_programs // (b * hkv * n_tiles))))
+    n_split = max(1, min(n_blocks, -(-tiling.target_programs // (b * hkv * n_tiles))))
     grid = (b, hkv, n_tiles, n_split)
     kv_spec = pl.BlockSpec((_SQ, _SQ, s_len, d), lambda i, h, t, c: (i, h, 0, 0))
     tok_spec = pl.BlockSpec((_SQ, s_len), lambda i, h, t, c: (i, 0))
@@ -125,7 +138,9 @@ def _trunk_kernel(
             jax.ShapeDtypeStruct((b, hkv, n_split, padded), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, n_split, padded, d), jnp.float32),
         ],
-        compiler_params=None if plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None
+        if plgpu is None
+        else plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="jspec_decode_trunk",
     )(live, q_all, qseg_all, qpos_all, k, v, seg, pos)
@@ -159,10 +174,7 @@ def trunk_state(
     """The state (m, l, acc) of the queries qg after every cache slot they see, by the kernel;
     gradients by `xla_trunk` (same arguments, same result, plain XLA)."""
 
-    kernel = functools.partial(
-        _trunk_kernel, scale=scale, interpret=interpret, block_k=BLOCK_K,
-        target_programs=TARGET_PROGRAMS,
-    )  # fmt: skip
+    kernel = functools.partial(trunk_kernel, scale=scale, interpret=interpret, tiling=TILING)
 
     @jax.custom_vjp
     def trunk(*args):

@@ -1,8 +1,9 @@
 """Rollout speed: plain decoding through `jspec.sampler.generate`, and the cost of verifying a draft
 tree against one decode step, per batch size, and the cost of a whole speculative step.
 
-    python -m jspec.launch.bench_rollout --config qwen3-8b --batches 1 16 64      # on a GPU
-    python -m jspec.launch.bench_rollout --device cpu --config tiny --batches 2   # a smoke test
+    python -m jspec.launch.bench_rollout --config qwen3-8b --batches 1 16 64  # on a GPU
+    python -m jspec.launch.bench_rollout --device cpu --config tiny --batches 2 \
+        --prompt-len 64 --new-tokens 16                                       # a smoke test
 
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the
@@ -15,8 +16,13 @@ updates) is timed the same way and reported in decode steps: the accepted length
 breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
 draft written by `jspec.launch.train_code_lm`: then prompts are held-out source files, and each
-speculative step comes with its accepted length, the measured speedup over plain decoding and the
-speedup the verify cost curve predicts. Prints a table and writes JSON.
+speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
+of `generate`, over `--acceptance-rows` distinct prompts: a small batch runs several batches of
+them) and the speedup the verify cost curve predicts. Prints a table and writes JSON.
+
+`--profile DIR` adds tables of the GPU kernels; run under
+`XLA_FLAGS="--xla_dump_to=D --xla_dump_hlo_module_re=.*(generate|run).*"` and each fusion in them
+is named by its output shape and JAX op.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import os
 import pathlib
+import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +48,7 @@ from jspec import config as config_lib
 from jspec.attention import decode as decode_attention
 from jspec.attention.decode import cache_slots
 from jspec.config import RolloutConfig, TreeConfig
+from jspec.launch.timing import best_time, loop_seconds
 from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.tasks import HFTokenizer
@@ -70,6 +80,13 @@ def parse_args(argv=None):
         help="also time the plain step with other rollout attention: 'blocks' (the block kernels "
         "in place of impl='decode'; they transpose the heads-major cache, a copy per layer), "
         "'xla' (the cache part in XLA, not the Pallas kernel)",
+    )
+    p.add_argument(
+        "--acceptance-rows",
+        type=int,
+        default=16,
+        help="distinct prompts the loops of generate run at each batch size (batches smaller than "
+        "this run one after another), so that batch 1 does not measure one prompt's acceptance",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
@@ -122,27 +139,47 @@ def rollout_attention(few_queries: int | None = None, backend: str | None = None
         decoding._generate.clear_cache()
 
 
-def best_time(fn, iters: int) -> float:
-    """Seconds of the fastest of `iters` calls, after one call that compiles."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
+START = time.perf_counter()
 
 
-def step_seconds(model, draft, tree, prompts, lengths, args) -> tuple[float, float]:
-    """Time of one step of the `generate` loop (draft + verify + bookkeeping), prefill excluded,
-    and the mean accepted length (tokens a step emits); a plain decode step when `draft` is None."""
+def log(what: str) -> None:
+    """A line of progress with the seconds since the start (compiles dominate a run's time)."""
+    print(f"[{time.perf_counter() - START:6.0f} s] {what}", flush=True)
+
+
+class LoopRate(NamedTuple):
+    """The `generate` loop over some prompt rows, its prefill left out."""
+
+    step: float  # seconds a step of the loop takes
+    tokens_per_s: float  # tokens the rows emit per second
+    accepted: float  # tokens a row emits per verify step
+    busy: float  # share of row-steps that emit (a row done early idles until the batch is done)
+
+
+def loop_rate(model, draft, tree, groups: list, args) -> LoopRate:
+    """`LoopRate` of `generate` (draft, verify, bookkeeping; plain decoding when `draft` is None)
+    over each group of prompt rows in turn: the time of `--new-tokens` less that of one token (the
+    prefill's), summed over the groups, as are the steps and tokens of the rows."""
     key, m = jax.random.key(0), args.new_tokens
     config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
-    run = lambda m: lambda: generate(model, draft, prompts, lengths, key, config(m))
-    stats = run(m)().stats
-    steps = int(np.max(stats.steps))
-    seconds = (best_time(run(m), args.iters) - best_time(run(1), args.iters)) / steps
-    return seconds, stats.mean_accepted_length()
+
+    def run(prompts, m):
+        lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
+        return lambda: generate(model, draft, prompts, lengths, key, config(m))
+
+    seconds = loop_steps = row_steps = accepted = 0
+    for prompts in groups:
+        stats = run(prompts, m)().stats
+        seconds += best_time(run(prompts, m), args.iters) - best_time(run(prompts, 1), args.iters)
+        loop_steps += int(np.max(stats.steps))
+        row_steps += int(np.sum(stats.steps))
+        accepted += int(np.sum(stats.accepted))
+    return LoopRate(
+        step=seconds / loop_steps,
+        tokens_per_s=(row_steps + accepted) / seconds,
+        accepted=1 + accepted / row_steps,
+        busy=row_steps / (groups[0].shape[0] * loop_steps),
+    )
 
 
 def tree_nodes(tree: TreeConfig) -> int:
@@ -152,22 +189,29 @@ def tree_nodes(tree: TreeConfig) -> int:
     return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
 
 
-def speculative(model, draft, prompts, lengths, step: float, curve: dict, slots, args) -> dict:
+def speculative(model, draft, groups, plain: LoopRate, curve: dict, slots, args) -> dict:
     """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
-    speedup over plain decoding and the one the costs predict: accepted length over the cost of
-    verifying the tree's nodes (the cost curve) plus the draft's proposal of the tree."""
-    out = {}
+    speedup in tokens/s over plain decoding and the one the costs predict: accepted length (times
+    the share of rows still busy) over the cost of verifying the tree's nodes (the cost curve)
+    plus the draft's proposal of the tree."""
+    out, prompts = {}, groups[0]
+    lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
     for name, tree in TREES.items():
-        seconds, accepted = step_seconds(model, draft, tree, prompts, lengths, args)
+        spec = loop_rate(model, draft, tree, groups, args)
         drafting = loop_seconds(draft_loop(model, draft, prompts, lengths, tree, slots, args),
                                 args.iters)  # fmt: skip
         out[name] = dict(
-            step_in_decode_steps=seconds / step,
-            draft_in_decode_steps=drafting / step,
-            accepted_length=accepted,
-            speedup=accepted * step / seconds,
-            predicted_speedup=accepted * step / (curve[tree_nodes(tree)] + drafting),
+            step_in_decode_steps=spec.step / plain.step,
+            draft_in_decode_steps=drafting / plain.step,
+            accepted_length=spec.accepted,
+            busy=spec.busy,
+            speedup=spec.tokens_per_s / plain.tokens_per_s,
+            predicted_speedup=spec.accepted
+            * spec.busy
+            * plain.step
+            / (plain.busy * (curve[tree_nodes(tree)] + drafting)),
         )
+        log(f"batch {prompts.shape[0]}: {name} timed")
     return out
 
 
@@ -179,14 +223,6 @@ def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
     m = lambda state: nnx.merge(graphdef, state)
     cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, slots), lengths)[1])(state)
     return {n: verify_loop(graphdef, state, cache, prompts, n) for n in sizes}
-
-
-def loop_seconds(run, iters: int, short: int = 2, long: int = 10) -> float:
-    """Seconds of one body of the jitted loop `run(count)`: the difference of a long and a short
-    loop, so what a call pays once (slicing the weights for the loop, `for_rollout`) drops out, as
-    it does from the plain step (a difference of two `generate` lengths)."""
-    seconds = lambda n: best_time(lambda: run(jnp.int32(n)), iters)
-    return (seconds(long) - seconds(short)) / (long - short)
 
 
 def verify_loop(graphdef, state, cache, prompts, n: int):
@@ -238,9 +274,10 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     return lambda count: run(model, draft, count)
 
 
-def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
-    """(kernel, ms per step, launches per step) of the GPU kernels in the newest perfetto trace
-    under `log_dir`, the `top` heaviest, from `jax.profiler.trace(create_perfetto_trace=True)`."""
+def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float, str]]:
+    """(kernel, ms per step, launches per step, its HLO) of the `top` heaviest GPU kernels in the
+    newest perfetto trace under `log_dir` (`jax.profiler.trace(create_perfetto_trace=True)`); the
+    HLO (`hlo_ops`) is empty unless XLA dumps the optimized programs."""
     path = max(pathlib.Path(log_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -251,12 +288,35 @@ def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, flo
         if e.get("ph") == "X" and e.get("pid") in gpu:
             total[e["name"]] += e["dur"] / 1e3
             count[e["name"]] += 1
-    rows = [(name, ms / steps, count[name] / steps) for name, ms in total.most_common(top)]
+    heaviest = [name for name, _ in total.most_common(top)]
+    ops = hlo_ops(heaviest)
+    rows = [
+        (name, total[name] / steps, count[name] / steps, ops.get(name, "")) for name in heaviest
+    ]
     print(f"GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
           f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
-    for name, ms, n in rows:
-        print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:110]}")
+    for name, ms, n, op in rows:
+        print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:60]:60s} {op[:120]}")
     return rows
+
+
+def hlo_ops(kernels: list[str]) -> dict[str, str]:
+    """Output shape and JAX op of each kernel that is an XLA fusion (kernel `loop_add_fusion_7` is
+    HLO `loop_add_fusion.7`), from the optimized programs XLA dumps when run with
+    `XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=..."`: the program defining the most of
+    `kernels` (fusion names repeat across programs). Empty without a dump."""
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    best: dict[str, str] = {}
+    for path in pathlib.Path(dump.group(1)).glob("*after_optimizations.txt") if dump else ():
+        text, found = path.read_text(), {}
+        for name in kernels:
+            hlo = re.escape(re.sub(r"_(\d+)$", r".\1", name))
+            line = re.search(rf"^\s*(?:ROOT )?%{hlo} = (.*?) [\w-]+\((.*)$", text, re.M)
+            if line:
+                op = re.search(r'op_name="([^"]*)"', line.group(2))
+                found[name] = f"{line.group(1)} {op.group(1).split('/body/')[-1] if op else ''}"
+        best = max(best, found, key=len)
+    return best
 
 
 def profile(run, log_dir: str, steps: int) -> list:
@@ -267,17 +327,35 @@ def profile(run, log_dir: str, steps: int) -> list:
     return kernel_table(log_dir, steps)
 
 
-def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
-    """One row of the table: the plain step, the verify cost curve, the speculative steps."""
-    cfg = model.config
+def profile_kernels(model, prompts, lengths, loops, args) -> dict:
+    """Kernel tables of the plain loop (with its prefill), on each backend of `--compare` too, and
+    of the largest verify of the cost curve."""
+    batch, n = prompts.shape[0], max(loops)
+    config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, tree=TreeConfig())
+    plain = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
+    kernels = {"plain": profile(plain, f"{args.profile}/batch{batch}-plain", args.new_tokens)}
+    for name in args.compare:
+        with rollout_attention(**COMPARED[name]):
+            log_dir = f"{args.profile}/batch{batch}-plain-{name}"
+            kernels[f"plain ({name})"] = profile(plain, log_dir, args.new_tokens)
+    verify = lambda: loops[n](jnp.int32(10))
+    kernels[f"verify {n}"] = profile(verify, f"{args.profile}/batch{batch}-verify{n}", 10)
+    return kernels
+
+
+def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
+    """One row of the table: the plain step, the verify cost curve, the speculative steps; the
+    loops of `generate` run over each group of prompt rows, the rest over the first."""
+    cfg, prompts = model.config, groups[0]
     batch = prompts.shape[0]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
-    time_step = lambda d, tree: step_seconds(model, d, tree, prompts, lengths, args)[0]
-    step = time_step(None, TreeConfig())
+    plain = loop_rate(model, None, TreeConfig(), groups, args)
+    step = plain.step
+    log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
     compared = {}
     for name in args.compare:
         with rollout_attention(**COMPARED[name]):
-            compared[name] = 1e3 * time_step(None, TreeConfig())
+            compared[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups[:1], args).step
     kv_bytes = (
         2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
         * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
@@ -287,29 +365,20 @@ def measure(model, draft, prompts, weight_bytes: int, args) -> dict:
     slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
     loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
-    kernels = {}
-    if args.profile:
-        config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, tree=TreeConfig())
-        plain = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
-        n = max(sizes)
-        kernels = {  # the plain loop with its prefill; `loops` verifies of n nodes
-            "plain": profile(plain, f"{args.profile}/batch{batch}-plain", args.new_tokens),
-            f"verify {n}": profile(
-                lambda: loops[n](jnp.int32(10)), f"{args.profile}/batch{batch}-verify{n}", 10
-            ),
-        }
+    log(f"batch {batch}: plain step and cost curve timed")
+    kernels = profile_kernels(model, prompts, lengths, loops, args) if args.profile else {}
     return dict(
         batch=batch,
         decode_ms=1e3 * step,
         decode_ms_compared=compared,
-        tokens_per_s=batch / step,
+        tokens_per_s=plain.tokens_per_s,
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
         speculative={}
         if args.no_spec
-        else speculative(model, draft, prompts, lengths, step, curve, slots, args),
+        else speculative(model, draft, groups, plain, curve, slots, args),
         kernels=kernels,
     )
 
@@ -322,17 +391,25 @@ def main(argv=None):
     if args.check_greedy:
         check_greedy(config_lib.load(args.config, args.overrides).model, args)
     model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
+    log("models ready")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     rows = []
     for b in args.batches:
-        prompts = jnp.asarray(np.resize(prompt_rows, (b, args.prompt_len)), jnp.int32)
-        rows.append(measure(model, draft, prompts, weight_bytes, args))
+        rows.append(measure(model, draft, prompt_groups(prompt_rows, b, args), weight_bytes, args))
         print_row(rows[-1])
         trees = {name: dataclasses.asdict(tree) for name, tree in TREES.items()}
         out = dict(args=vars(args), trees={} if args.no_spec else trees, rows=rows)
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_spec:
         print_choices(rows, args.out)
+
+
+def prompt_groups(prompt_rows: np.ndarray, batch: int, args) -> list[jax.Array]:
+    """Batches of `batch` prompt rows, as many distinct ones as `--acceptance-rows` asks and there
+    are (at least one batch, whose rows repeat if there are fewer prompts than rows)."""
+    count = max(1, min(args.acceptance_rows, len(prompt_rows)) // batch)
+    take = lambda g: np.resize(np.roll(prompt_rows, -g * batch, axis=0), (batch, args.prompt_len))
+    return [jnp.asarray(take(g), jnp.int32) for g in range(count)]
 
 
 def print_choices(rows, path) -> None:
@@ -385,12 +462,17 @@ def random_draft(cfg, draft_vocab: int):
     return create_eagle3(Eagle3Config.for_target(cfg, min(draft_vocab, cfg.vocab_size)))
 
 
+def prompt_count(args) -> int:
+    """Prompt rows a run needs: its largest batch, and `--acceptance-rows`."""
+    return max(*args.batches, args.acceptance_rows)
+
+
 def random_models(args):
     """Target and draft of random weights (speed only), random prompts."""
     cfg = config_lib.load(args.config, args.overrides).model
     draft = random_draft(cfg, args.draft_vocab)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (max(args.batches), args.prompt_len))
+    prompts = rng.integers(0, cfg.vocab_size, (prompt_count(args), args.prompt_len))
     return create(cfg), draft, prompts
 
 
@@ -404,7 +486,7 @@ def trained(args):
     tok = HFTokenizer(run / "tokenizer.json", eos)
     texts = json.loads((run / "heldout.json").read_text())
     prompts = [ids[: args.prompt_len] for ids in map(tok.encode, texts)]
-    prompts = [p for p in prompts if len(p) == args.prompt_len][: max(args.batches)]
+    prompts = [p for p in prompts if len(p) == args.prompt_len][: prompt_count(args)]
     if not prompts:
         raise SystemExit(f"no held-out file of {args.prompt_len} tokens; lower --prompt-len")
     return target, draft, np.asarray(prompts)

@@ -1,5 +1,6 @@
-"""Timing a jitted function for the benchmarks: compiled ahead of time, one warm-up call, then the
-mean over `iters` calls, each waited for."""
+"""Timing jitted functions for the benchmarks: compiled ahead of time, one warm-up call, then the
+mean over `iters` calls, each waited for (`time_compiled`); the fastest of `iters` calls
+(`best_time`); one body of a jitted loop, free of what a call pays once (`loop_seconds`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class Timed(NamedTuple):
@@ -26,3 +28,22 @@ def time_compiled(fn, inputs, iters: int) -> Timed:
     for _ in range(iters):
         jax.block_until_ready(compiled(*inputs))
     return Timed(1e3 * (time.perf_counter() - start) / iters, compile_s, compiled, out)
+
+
+def best_time(fn, iters: int) -> float:
+    """Seconds of the fastest of `iters` calls of `fn()`, after one call that compiles."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def loop_seconds(run, iters: int, short: int = 2, long: int = 10) -> float:
+    """Seconds of one body of the jitted loop `run(count)` (count a traced int32, so both lengths
+    share one program): the difference of a long and a short loop, so that what a call pays once
+    (dispatch, slicing the weights for the loop) drops out."""
+    seconds = lambda n: best_time(lambda: run(jnp.int32(n)), iters)
+    return (seconds(long) - seconds(short)) / (long - short)

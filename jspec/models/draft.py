@@ -225,12 +225,12 @@ class Eagle3Draft(nnx.Module):
             axis=-1,
         )
         o_BTD, kv = attention_sublayer(
-            h_BT2D, w(self.wq), w(self.wk), w(self.wv), w(self.wo), cos_sin, attend,
+            h_BT2D, (w(self.wq), w(self.wk), w(self.wv)), w(self.wo), cos_sin, attend,
             eps=c.rms_norm_eps,
         )  # fmt: skip
         x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
         h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
-        x_BTD = x_BTD + swiglu(h_BTD, w(self.w_gate), w(self.w_up), w(self.w_down))
+        x_BTD = x_BTD + swiglu(h_BTD, (w(self.w_gate), w(self.w_up)), w(self.w_down))
         return x_BTD, kv
 
     def draft_logits(self, hidden_BTD) -> Float[Array, "b t vd"]:

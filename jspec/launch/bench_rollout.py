@@ -388,8 +388,9 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
-    if args.check_greedy:
-        check_greedy(config_lib.load(args.config, args.overrides).model, args)
+    if args.check_greedy:  # float32 products in full precision, not TF32, on both sides
+        with jax.default_matmul_precision("highest"):
+            check_greedy(config_lib.load(args.config, args.overrides).model, args)
     model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
     log("models ready")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -426,7 +427,7 @@ def print_choices(rows, path) -> None:
 def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
     equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`, the cache part
-    of attention in XLA, not the Pallas kernel), float32."""
+    of attention in XLA, not the Pallas kernel, the products not fused), float32."""
     cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
     model = create(cfg)
     draft = random_draft(cfg, args.draft_vocab)

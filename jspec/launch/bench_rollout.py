@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gzip
 import json
 import os
@@ -87,6 +89,13 @@ def parse_args(argv=None):
         default=16,
         help="distinct prompts the loops of generate run at each batch size (batches smaller than "
         "this run one after another), so that batch 1 does not measure one prompt's acceptance",
+    )
+    p.add_argument(
+        "--compile-threads",
+        type=int,
+        default=4,
+        help="programs compiled at once before a batch is timed (each holds its own copy of the "
+        "weights while it runs once: lower it if the device runs out of memory)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
@@ -182,6 +191,28 @@ def loop_rate(model, draft, tree, groups: list, args) -> LoopRate:
     )
 
 
+def warm_up(model, draft, prompts, loops: list, args) -> None:
+    """Compiles every program a batch times (by running it once): the `generate` loops of plain
+    decoding and of each tree, at `--new-tokens` and at one token, and the jitted `loops`, up to
+    `--compile-threads` at a time: compiling is most of a run's time, and XLA compiles a program
+    on about one core. (The backends of `--compare` are compiled where they are timed.)"""
+    key, lengths = jax.random.key(0), jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
+    config = lambda tree, m: RolloutConfig(max_new_tokens=m, temperature=args.temperature,
+                                           tree=tree)  # fmt: skip
+    runs = [(None, TreeConfig()), *(() if args.no_spec else ((draft, t) for t in TREES.values()))]
+    jobs = [
+        functools.partial(generate, model, d, prompts, lengths, key, config(tree, m))
+        for d, tree in runs
+        for m in (args.new_tokens, 1)
+    ]
+    jobs += [functools.partial(run, jnp.int32(2)) for run in loops]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+        list(pool.map(lambda job: jax.block_until_ready(job()), jobs))
+    log(f"batch {prompts.shape[0]}: {len(jobs)} programs compiled in "
+        f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+
+
 def tree_nodes(tree: TreeConfig) -> int:
     """Nodes a verify step runs: the root and the tree's nodes."""
     if tree.kind == "dynamic":
@@ -189,17 +220,16 @@ def tree_nodes(tree: TreeConfig) -> int:
     return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
 
 
-def speculative(model, draft, groups, plain: LoopRate, curve: dict, slots, args) -> dict:
-    """Per tree of `TREES`: the step's cost in plain decode steps, the accepted length, the measured
-    speedup in tokens/s over plain decoding and the one the costs predict: accepted length (times
-    the share of rows still busy) over the cost of verifying the tree's nodes (the cost curve)
-    plus the draft's proposal of the tree."""
-    out, prompts = {}, groups[0]
-    lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    for name, tree in TREES.items():
+def speculative(model, draft, groups, plain: LoopRate, curve: dict, drafts: dict, args) -> dict:
+    """Per tree of `drafts` (its `draft_loop`): the step's cost in plain decode steps, the accepted
+    length, the measured speedup in tokens/s over plain decoding and the one the costs predict:
+    accepted length (times the share of rows still busy) over the cost of verifying the tree's
+    nodes (the cost curve) plus the draft's proposal of the tree."""
+    out = {}
+    for name, run in drafts.items():
+        tree = TREES[name]
         spec = loop_rate(model, draft, tree, groups, args)
-        drafting = loop_seconds(draft_loop(model, draft, prompts, lengths, tree, slots, args),
-                                args.iters)  # fmt: skip
+        drafting = loop_seconds(run, args.iters)
         out[name] = dict(
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
@@ -211,7 +241,7 @@ def speculative(model, draft, groups, plain: LoopRate, curve: dict, slots, args)
             * plain.step
             / (plain.busy * (curve[tree_nodes(tree)] + drafting)),
         )
-        log(f"batch {prompts.shape[0]}: {name} timed")
+        log(f"batch {groups[0].shape[0]}: {name} timed")
     return out
 
 
@@ -349,6 +379,14 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
     cfg, prompts = model.config, groups[0]
     batch = prompts.shape[0]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
+    trees = {} if args.no_spec else TREES
+    sizes = {*args.tree_sizes, *map(tree_nodes, trees.values())}
+    slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
+    loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
+    drafts = {
+        k: draft_loop(model, draft, prompts, lengths, t, slots, args) for k, t in trees.items()
+    }
+    warm_up(model, draft, prompts, [*loops.values(), *drafts.values()], args)
     plain = loop_rate(model, None, TreeConfig(), groups, args)
     step = plain.step
     log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
@@ -361,9 +399,6 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
         * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     )  # fmt: skip
     floor = (weight_bytes + kv_bytes) / args.bandwidth
-    sizes = {*args.tree_sizes, *(() if args.no_spec else map(tree_nodes, TREES.values()))}
-    slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
-    loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
     log(f"batch {batch}: plain step and cost curve timed")
     kernels = profile_kernels(model, prompts, lengths, loops, args) if args.profile else {}
@@ -376,9 +411,7 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
-        speculative={}
-        if args.no_spec
-        else speculative(model, draft, groups, plain, curve, slots, args),
+        speculative=speculative(model, draft, groups, plain, curve, drafts, args),
         kernels=kernels,
     )
 

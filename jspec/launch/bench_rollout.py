@@ -20,7 +20,8 @@ speculative step comes with its accepted length, the measured speedup over plain
 of `generate`, over `--acceptance-rows` distinct prompts: a small batch runs several batches of
 them) and the speedup the verify cost curve predicts. Prints a table and writes JSON.
 
-`--profile DIR` adds tables of the GPU kernels; run under
+`--profile DIR` adds tables of the GPU kernels of one step of the plain, speculative and verify
+loops (two loop lengths traced, their difference kept, so the prefill drops out); run under
 `XLA_FLAGS="--xla_dump_to=D --xla_dump_hlo_module_re=.*(generate|run).*"` and each fusion in them
 is named by its output shape and JAX op.
 """
@@ -304,26 +305,37 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     return lambda count: run(model, draft, count)
 
 
-def kernel_table(log_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float, str]]:
-    """(kernel, ms per step, launches per step, its HLO) of the `top` heaviest GPU kernels in the
-    newest perfetto trace under `log_dir` (`jax.profiler.trace(create_perfetto_trace=True)`); the
-    HLO (`hlo_ops`) is empty unless XLA dumps the optimized programs."""
+def gpu_kernels(run, log_dir: str) -> tuple[collections.Counter, collections.Counter]:
+    """(ms, launches) per GPU kernel of one call of `run()` (compiled first), from the perfetto
+    trace `jax.profiler.trace` writes under `log_dir`."""
+    jax.block_until_ready(run())
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run())
     path = max(pathlib.Path(log_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    print("trace processes:", sorted(set(names.values())))
     gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
     total, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             total[e["name"]] += e["dur"] / 1e3
             count[e["name"]] += 1
+    return total, count
+
+
+def loop_kernels(run, log_dir: str, lengths: tuple[int, int], steps: int, top: int = 25) -> list:
+    """(kernel, ms per step, launches per step, its HLO) of the `top` heaviest GPU kernels of one
+    body of a loop: the kernels of `run(long)` less those of `run(short)` (`lengths`), over the
+    `steps` between them, so that what a call runs once (a prefill) drops out. The HLO
+    (`hlo_ops`) is empty unless XLA dumps the optimized programs."""
+    (long_ms, long_n), (short_ms, short_n) = (
+        gpu_kernels(lambda n=n: run(n), f"{log_dir}-{n}") for n in lengths
+    )
+    total, count = long_ms - short_ms, long_n - short_n  # (keeps the positive differences)
     heaviest = [name for name, _ in total.most_common(top)]
     ops = hlo_ops(heaviest)
-    rows = [
-        (name, total[name] / steps, count[name] / steps, ops.get(name, "")) for name in heaviest
-    ]
-    print(f"GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
+    rows = [(k, total[k] / steps, count[k] / steps, ops.get(k, "")) for k in heaviest]
+    print(f"{log_dir}: GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
           f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
     for name, ms, n, op in rows:
         print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:60]:60s} {op[:120]}")
@@ -349,28 +361,50 @@ def hlo_ops(kernels: list[str]) -> dict[str, str]:
     return best
 
 
-def profile(run, log_dir: str, steps: int) -> list:
-    """The top kernels of `run()` (compiled first), per step of the `steps` it runs."""
-    jax.block_until_ready(run())
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        jax.block_until_ready(run())
-    return kernel_table(log_dir, steps)
+def generate_kernels(model, draft, tree, prompts, name: str, args) -> list:
+    """`loop_kernels` of a step of the `generate` loop (plain decoding when `draft` is None)."""
+    lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
+    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=0.0, tree=tree)
+    run = lambda m: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
+    steps = int(np.max(run(args.new_tokens).stats.steps))
+    log_dir = f"{args.profile}/batch{prompts.shape[0]}-{name}"
+    return loop_kernels(run, log_dir, (args.new_tokens, 1), steps)
 
 
-def profile_kernels(model, prompts, lengths, loops, args) -> dict:
-    """Kernel tables of the plain loop (with its prefill), on each backend of `--compare` too, and
-    of the largest verify of the cost curve."""
-    batch, n = prompts.shape[0], max(loops)
-    config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=0.0, tree=TreeConfig())
-    plain = lambda: generate(model, None, prompts, lengths, jax.random.key(0), config)
-    kernels = {"plain": profile(plain, f"{args.profile}/batch{batch}-plain", args.new_tokens)}
+def profile_kernels(model, draft, prompts, loops: dict, drafts: dict, args) -> dict:
+    """Kernel tables of one step of the plain `generate` loop, of each tree's speculative loop,
+    and of the largest verify of the cost curve."""
+    kernels = {"plain": generate_kernels(model, None, TreeConfig(), prompts, "plain", args)}
+    for name in drafts:
+        tag = name.split()[0]
+        kernels[name] = generate_kernels(model, draft, TREES[name], prompts, tag, args)
+    n = max(loops)
+    log_dir = f"{args.profile}/batch{prompts.shape[0]}-verify{n}"
+    kernels[f"verify {n}"] = loop_kernels(lambda c: loops[n](jnp.int32(c)), log_dir, (10, 2), 8)
+    return kernels
+
+
+def compare_backends(model, groups: list, args) -> tuple[dict, dict]:
+    """The plain step (ms) and, with `--profile`, its kernel table, on each backend of
+    `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
+    ms, kernels = {}, {}
     for name in args.compare:
         with rollout_attention(**COMPARED[name]):
-            log_dir = f"{args.profile}/batch{batch}-plain-{name}"
-            kernels[f"plain ({name})"] = profile(plain, log_dir, args.new_tokens)
-    verify = lambda: loops[n](jnp.int32(10))
-    kernels[f"verify {n}"] = profile(verify, f"{args.profile}/batch{batch}-verify{n}", 10)
-    return kernels
+            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups[:1], args).step
+            if args.profile:
+                kernels[f"plain ({name})"] = generate_kernels(
+                    model, None, TreeConfig(), groups[0], f"plain-{name}", args
+                )
+    return ms, kernels
+
+
+def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:
+    """Seconds of a decode step that reads the weights and the mean cache once at `--bandwidth`."""
+    kv_bytes = (
+        2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
+        * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    )  # fmt: skip
+    return (weight_bytes + kv_bytes) / args.bandwidth
 
 
 def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
@@ -390,30 +424,22 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
     plain = loop_rate(model, None, TreeConfig(), groups, args)
     step = plain.step
     log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
-    compared = {}
-    for name in args.compare:
-        with rollout_attention(**COMPARED[name]):
-            compared[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups[:1], args).step
-    kv_bytes = (
-        2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
-        * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    )  # fmt: skip
-    floor = (weight_bytes + kv_bytes) / args.bandwidth
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
-    log(f"batch {batch}: plain step and cost curve timed")
-    kernels = profile_kernels(model, prompts, lengths, loops, args) if args.profile else {}
-    return dict(
+    log(f"batch {batch}: cost curve timed")
+    floor = memory_floor(cfg, batch, weight_bytes, args)
+    row = dict(
         batch=batch,
         decode_ms=1e3 * step,
-        decode_ms_compared=compared,
         tokens_per_s=plain.tokens_per_s,
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
         speculative=speculative(model, draft, groups, plain, curve, drafts, args),
-        kernels=kernels,
     )
+    kernels = profile_kernels(model, draft, prompts, loops, drafts, args) if args.profile else {}
+    compared, compared_kernels = compare_backends(model, groups, args)
+    return dict(row, decode_ms_compared=compared, kernels={**kernels, **compared_kernels})
 
 
 def main(argv=None):

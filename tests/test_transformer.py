@@ -201,12 +201,13 @@ def test_taps_are_layer_inputs(model, fns):
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
 def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
     """Rows split over data x context (extra data parallelism in rollout), heads over tensor; the
-    cache part of attention in XLA, or in the Pallas kernel (interpreted) inside `shard_map`."""
+    cache part of attention in XLA, or in the Pallas kernel (interpreted) inside `shard_map`; the
+    weights as the rollout loop has them (`for_rollout`: per layer, products fused)."""
     monkeypatch.setattr(decode, "BACKEND", backend)
     state, forward, *_ = fns
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     graphdef = graphdef_for(model.config, mesh)
-    m = lambda s: nnx.merge(graphdef, s)
+    m = lambda s: nnx.merge(graphdef, s).for_rollout()
     sharded = jax.device_put(state, param_shardings(state, mesh))
     cache = m(sharded).init_cache(4, PAD)
     names = ("decode_batch", "act_kv_heads", None, None)

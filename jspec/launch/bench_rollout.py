@@ -332,6 +332,9 @@ def loop_kernels(run, log_dir: str, lengths: tuple[int, int], steps: int, top: i
         gpu_kernels(lambda n=n: run(n), f"{log_dir}-{n}") for n in lengths
     )
     total, count = long_ms - short_ms, long_n - short_n  # (keeps the positive differences)
+    if fewer := sorted(k for k in short_n if short_n[k] > long_n[k]):
+        # Two `generate` lengths are two programs: XLA may name their fusions differently.
+        print(f"{log_dir}: {len(fewer)} kernels ran more often in the shorter run: {fewer[:5]}")
     heaviest = [name for name, _ in total.most_common(top)]
     ops = hlo_ops(heaviest)
     rows = [(k, total[k] / steps, count[k] / steps, ops.get(k, "")) for k in heaviest]
@@ -385,12 +388,12 @@ def profile_kernels(model, draft, prompts, loops: dict, drafts: dict, args) -> d
 
 
 def compare_backends(model, groups: list, args) -> tuple[dict, dict]:
-    """The plain step (ms) and, with `--profile`, its kernel table, on each backend of
-    `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
+    """The plain step (ms) over `groups` and, with `--profile`, its kernel table, on each backend
+    of `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
     ms, kernels = {}, {}
     for name in args.compare:
         with rollout_attention(**COMPARED[name]):
-            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups[:1], args).step
+            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups, args).step
             if args.profile:
                 kernels[f"plain ({name})"] = generate_kernels(
                     model, None, TreeConfig(), groups[0], f"plain-{name}", args
@@ -421,7 +424,9 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
         k: draft_loop(model, draft, prompts, lengths, t, slots, args) for k, t in trees.items()
     }
     warm_up(model, draft, prompts, [*loops.values(), *drafts.values()], args)
-    plain = loop_rate(model, None, TreeConfig(), groups, args)
+    # Plain decoding over the prompts speculation runs (rows that end early matter to both).
+    plain_groups = groups if trees else groups[:1]
+    plain = loop_rate(model, None, TreeConfig(), plain_groups, args)
     step = plain.step
     log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
@@ -438,7 +443,7 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
         speculative=speculative(model, draft, groups, plain, curve, drafts, args),
     )
     kernels = profile_kernels(model, draft, prompts, loops, drafts, args) if args.profile else {}
-    compared, compared_kernels = compare_backends(model, groups, args)
+    compared, compared_kernels = compare_backends(model, plain_groups, args)
     return dict(row, decode_ms_compared=compared, kernels={**kernels, **compared_kernels})
 
 

@@ -353,15 +353,22 @@ def hlo_ops(kernels: list[str]) -> dict[str, str]:
     dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     best: dict[str, str] = {}
     for path in pathlib.Path(dump.group(1)).glob("*after_optimizations.txt") if dump else ():
-        text, found = path.read_text(), {}
-        for name in kernels:
-            hlo = re.escape(re.sub(r"_(\d+)$", r".\1", name))
-            line = re.search(rf"^\s*(?:ROOT )?%{hlo} = (.*?) [\w-]+\((.*)$", text, re.M)
-            if line:
-                op = re.search(r'op_name="([^"]*)"', line.group(2))
-                found[name] = f"{line.group(1)} {op.group(1).split('/body/')[-1] if op else ''}"
+        defined = hlo_instructions(str(path), path.stat().st_mtime)
+        hlo = {name: re.sub(r"_(\d+)$", r".\1", name) for name in kernels}
+        found = {name: defined[h] for name, h in hlo.items() if h in defined}
         best = max(best, found, key=len)
     return best
+
+
+@functools.cache
+def hlo_instructions(path: str, mtime: float) -> dict[str, str]:
+    """{instruction: "shape op"} of an HLO text file, read once (a dump can be large)."""
+    defined = {}
+    pattern = r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) [\w-]+\((.*)$"
+    for m in re.finditer(pattern, pathlib.Path(path).read_text(), re.M):
+        op = re.search(r'op_name="([^"]*)"', m.group(3))
+        defined[m.group(1)] = f"{m.group(2)} {op.group(1).split('/body/')[-1] if op else ''}"
+    return defined
 
 
 def generate_kernels(model, draft, tree, prompts, name: str, args) -> list:

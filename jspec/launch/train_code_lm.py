@@ -259,6 +259,8 @@ def sampler(stream, doc, t: int, batch: int, seed: int):
 
 def main(argv=None):
     args = parse_args(argv)
+    start = time.perf_counter()
+    at = lambda: f"[{time.perf_counter() - start:.0f} s into the run]"
     cfg = config_lib.load(args.config, args.overrides).model
     run = pathlib.Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -268,7 +270,7 @@ def main(argv=None):
     bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])
     print(f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
           f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
-          f"{bytes_per_token:.2f} bytes a token)", flush=True)  # fmt: skip
+          f"{bytes_per_token:.2f} bytes a token) {at()}", flush=True)  # fmt: skip
     batches = sampler(*train, args.seq_len, args.batch, seed=0)
     target = create(cfg)
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
@@ -278,6 +280,7 @@ def main(argv=None):
         lambda: fit(target, target_loss, batches, args.steps, args.learning_rate, "target"),
         hf.save, hf.load,
     )  # fmt: skip
+    print(f"target trained {at()}", flush=True)
     draft = create_eagle3(Eagle3Config.for_target(cfg))
     draft = stage(
         run / "draft", draft,
@@ -285,6 +288,7 @@ def main(argv=None):
                     args.draft_learning_rate, "draft", teacher=target),
         hf_eagle3.save, lambda path: hf_eagle3.load(path)[0],
     )  # fmt: skip
+    print(f"draft trained {at()}", flush=True)
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
                       bytes_per_token)  # fmt: skip

@@ -1,0 +1,44 @@
+"""The measuring parts of `launch/bench_rollout.py` that need no model: which prompts each batch
+runs (acceptance over distinct prompts), and the naming of profiled kernels from an XLA dump."""
+
+import argparse
+
+import numpy as np
+
+from jspec.launch import bench_rollout
+
+ARGS = argparse.Namespace(acceptance_rows=16, prompt_len=3)
+HLO = """HloModule jit__generate
+%fused_add (p: f32[8,128]) -> f32[8,128] {
+  ROOT %add.1 = f32[8,128]{1,0} add(%p, %p)
+}
+ENTRY %main {
+  %loop_add_fusion.7 = f32[8,128]{1,0} fusion(%x), kind=kLoop, calls=%fused_add, metadata={op_name="jit(_generate)/while/body/jit(_trunk_kernel)/add"}
+  ROOT %input_convert_reduce_fusion = (f32[8,4]{1,0}, bf16[8,576,4]{2,1,0}) fusion(%a, %b), kind=kInput, calls=%fused_convert_reduce, metadata={op_name="jit(_generate)/while/body/reduce_sum"}
+}
+"""  # noqa: E501
+
+
+def test_small_batches_run_distinct_prompts_in_turn():
+    rows = np.arange(20)[:, None] * np.ones((1, 3), int)  # prompt i: [i, i, i]
+    groups = bench_rollout.prompt_groups(rows, 1, ARGS)
+    assert len(groups) == 16 and [int(g[0, 0]) for g in groups] == list(range(16))
+    (one,) = bench_rollout.prompt_groups(
+        rows, 4, argparse.Namespace(acceptance_rows=4, prompt_len=3)
+    )
+    assert one[:, 0].tolist() == [0, 1, 2, 3]
+    (wide,) = bench_rollout.prompt_groups(rows, 64, ARGS)  # more rows than prompts: they repeat
+    assert wide.shape == (64, 3) and wide[:, 0].tolist() == [i % 20 for i in range(64)]
+
+
+def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
+    (tmp_path / "module_0001.jit__generate.sm_9.0a_gpu_after_optimizations.txt").write_text(HLO)
+    (tmp_path / "module_0002.jit_run.sm_9.0a_gpu_after_optimizations.txt").write_text("")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_hlo_as_text --xla_dump_to={tmp_path}")
+    kernels = ["loop_add_fusion_7", "input_convert_reduce_fusion", "nvjet_sm90_tst_128x8"]
+    assert bench_rollout.hlo_ops(kernels) == {
+        "loop_add_fusion_7": "f32[8,128]{1,0} jit(_trunk_kernel)/add",
+        "input_convert_reduce_fusion": "(f32[8,4]{1,0}, bf16[8,576,4]{2,1,0}) reduce_sum",
+    }
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert bench_rollout.hlo_ops(kernels) == {}

@@ -231,16 +231,15 @@ def speculative(model, draft, groups, plain: LoopRate, curve: dict, drafts: dict
         tree = TREES[name]
         spec = loop_rate(model, draft, tree, groups, args)
         drafting = loop_seconds(run, args.iters)
+        predicted_step = curve[tree_nodes(tree)] + drafting
         out[name] = dict(
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
             accepted_length=spec.accepted,
             busy=spec.busy,
             speedup=spec.tokens_per_s / plain.tokens_per_s,
-            predicted_speedup=spec.accepted
-            * spec.busy
-            * plain.step
-            / (plain.busy * (curve[tree_nodes(tree)] + drafting)),
+            predicted_speedup=(spec.accepted * spec.busy / predicted_step)
+            / (plain.busy / plain.step),
         )
         log(f"batch {groups[0].shape[0]}: {name} timed")
     return out

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jspec.attention import masks, pallas_decode, pallas_gpu
-from jspec.attention.blocks import _finish
+from jspec.attention.blocks import _finish, round_up
 
 CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds the score buffer
 # What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
@@ -90,8 +90,7 @@ def decode_attention(
 def cache_slots(tokens: int, limit: int | None = None) -> int:
     """Slots for a cache of `tokens`: whole blocks of the Pallas trunk (which otherwise pads, a copy
     of the cache per call), but at most `limit` (when given)."""
-    block = pallas_decode.TILING.block_k
-    whole = -(-tokens // block) * block
+    whole = round_up(tokens, pallas_decode.TILING.block_k)
     return max(tokens, whole if limit is None else min(limit, whole))
 
 

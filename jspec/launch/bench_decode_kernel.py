@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.attention import decode, pallas_decode
+from jspec.attention import blocks, decode, pallas_decode
 from jspec.launch.timing import loop_seconds
 
 
@@ -54,8 +54,7 @@ def inputs(batch: int, queries: int, args):
     (`decode.cache_slots`): no tiling pads (copies) the cache."""
     rng = np.random.default_rng(0)
     g, filled = args.heads // args.kv_heads, args.slots
-    block = max(pallas_decode.TILING.block_k, *args.block_k)
-    s = -(-filled // block) * block
+    s = blocks.round_up(filled, max(pallas_decode.TILING.block_k, *args.block_k))
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     qg = normal(batch, queries, args.kv_heads, g, args.head_dim)
     k, v = (normal(batch, args.kv_heads, s, args.head_dim) for _ in range(2))

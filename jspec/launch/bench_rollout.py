@@ -129,12 +129,12 @@ TREES = {
 }
 
 
-# Other rollout attention the plain step can be timed with (`--compare`): `rollout_attention` args.
+# Other rollout attention the plain step can be timed with (`--compare`): `attention_setting` args.
 COMPARED = {"blocks": dict(few_queries=0), "xla": dict(backend="xla")}
 
 
 @contextlib.contextmanager
-def rollout_attention(few_queries: int | None = None, backend: str | None = None):
+def attention_setting(few_queries: int | None = None, backend: str | None = None):
     """Rollout attention takes `impl="decode"` up to `few_queries` queries per row (0: the block
     kernels), its cache part on `backend` (`jspec.attention.decode.BACKEND`); None keeps a setting.
     `generate`'s compiled programs are dropped on the way in and out, as they baked both in."""
@@ -398,7 +398,7 @@ def compare_backends(model, groups: list, args) -> tuple[dict, dict]:
     of `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
     ms, kernels = {}, {}
     for name in args.compare:
-        with rollout_attention(**COMPARED[name]):
+        with attention_setting(**COMPARED[name]):
             ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups, args).step
             if args.profile:
                 kernels[f"plain ({name})"] = generate_kernels(
@@ -472,7 +472,7 @@ def main(argv=None):
         out = dict(args=vars(args), trees={} if args.no_spec else trees, rows=rows)
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_spec:
-        print_choices(rows, args.out)
+        print_choices(rows)
 
 
 def prompt_groups(prompt_rows: np.ndarray, batch: int, args) -> list[jax.Array]:
@@ -483,10 +483,10 @@ def prompt_groups(prompt_rows: np.ndarray, batch: int, args) -> list[jax.Array]:
     return [jnp.asarray(take(g), jnp.int32) for g in range(count)]
 
 
-def print_choices(rows, path) -> None:
+def print_choices(rows) -> None:
     """The tree `choose_tree` takes at each batch from this run's costs and accepted lengths, and
     its measured speedup (1.0: plain decoding)."""
-    costs = StepCosts.from_bench(path)
+    costs = StepCosts.from_rows(rows)
     for r in rows:
         accepted = {t: x["accepted_length"] for t, x in r["speculative"].items()}
         tree, _ = choose_tree(costs, r["batch"], accepted)
@@ -509,7 +509,7 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
     decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
     expected = []
-    with rollout_attention(backend="xla"):
+    with attention_setting(backend="xla"):
         logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
         for _ in range(new_tokens):
             expected.append(jnp.argmax(logits, axis=-1))

@@ -222,7 +222,7 @@ class Block(nnx.Module):
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
         return x_BTD + swiglu(h_BTD, w_in, w(self.w_down)), kv, None
 
-    def fused(self, constrain=lambda x, names: x) -> Block:
+    def fused(self, constrain) -> Block:
         """A copy of this one-layer block (a slice of the stacks) with its input products fused,
         for the rollout loop: q, k and v as one matrix [D, K, G+2, E] (each KV head's G query
         heads, then its k and v, so a mesh that splits the KV heads keeps every group whole), and

@@ -53,7 +53,12 @@ class StepCosts:
     @classmethod
     def from_bench(cls, path: str | pathlib.Path) -> StepCosts:
         """The costs in a JSON written by `launch/bench_rollout.py` (its rows' `speculative`)."""
-        rows = sorted(json.loads(pathlib.Path(path).read_text())["rows"], key=lambda r: r["batch"])
+        return cls.from_rows(json.loads(pathlib.Path(path).read_text())["rows"])
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> StepCosts:
+        """The costs in the rows of `launch/bench_rollout.py`'s JSON."""
+        rows = sorted(rows, key=lambda r: r["batch"])
         trees = set.intersection(*(set(r["speculative"]) for r in rows))
         cost = {t: tuple(r["speculative"][t]["step_in_decode_steps"] for r in rows) for t in trees}
         return cls(tuple(r["batch"] for r in rows), cost)
@@ -67,12 +72,20 @@ def choose_tree(
 
     `accepted`: mean accepted length of each candidate tree (trees without one are not candidates).
     """
-    best, speedup = None, 1.0
+    tree, gain = best_tree(costs, batch, accepted)
+    return (tree, gain) if gain > 1.0 else (None, 1.0)
+
+
+def best_tree(
+    costs: StepCosts, batch: int, accepted: Mapping[str, float]
+) -> tuple[str | None, float]:
+    """(tree, accepted length over cost) of the candidate with the largest such ratio at `batch`,
+    whether or not it beats plain decoding; (None, 0.0) without candidates."""
+    best, gain = None, 0.0
     for tree, length in sorted(accepted.items()):
-        gain = length / costs.at(tree, batch)
-        if gain > speedup:
-            best, speedup = tree, gain
-    return best, speedup
+        if (ratio := length / costs.at(tree, batch)) > gain:
+            best, gain = tree, ratio
+    return best, gain
 
 
 class TreeChooser:
@@ -126,7 +139,7 @@ class TreeChooser:
                 raise ConfigError(f"{path}: batch {r['batch']} has no step of {sorted(missing)}.")
         prior = {t: float(np.mean([r["speculative"][t]["accepted_length"] for r in data["rows"]]))
                  for t in trees}  # fmt: skip
-        return cls(StepCosts.from_bench(path), trees, prior, **kw)
+        return cls(StepCosts.from_rows(data["rows"]), trees, prior, **kw)
 
     def pick(self, batch: int) -> tuple[str | None, TreeConfig | None]:
         """(name, tree) for a batch of `batch` rows; (None, None): plain decoding."""
@@ -135,7 +148,7 @@ class TreeChooser:
             self._plain_picks += 1
             if self._plain_picks % self.probe_every:
                 return None, None
-            name = max(self.estimate, key=lambda t: self.estimate[t] / self.costs.at(t, batch))
+            name, _ = best_tree(self.costs, batch, self.estimate)
         return name, self.trees[name]
 
     def observe(self, name: str | None, accepted_length: float) -> None:

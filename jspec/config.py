@@ -300,6 +300,12 @@ class RolloutConfig:
     eos_id: int | None = None
     draft: DraftConfig = DraftConfig()
     tree: TreeConfig = TreeConfig()
+    # Rows decoded at once (0: every prompt). With fewer rows than prompts, a row whose completion
+    # ends takes the next prompt (continuous batching): rows do not idle until the slowest is done.
+    rows: int = 0
+    # Prompts a refill prefills together into free rows (0: a row in 8, at least one per shard of
+    # the rows); a refill waits until that many rows are free.
+    refill_rows: int = 0
 
     def validate(self, model: ModelConfig, where: str = "rollout") -> None:
         if self.max_new_tokens < 1:
@@ -316,6 +322,16 @@ class RolloutConfig:
             raise ConfigError(
                 f"{where}.eos_id={self.eos_id} is not a token of the vocabulary of size "
                 f"{model.vocab_size}; use the tokenizer's end-of-sequence id, or none."
+            )
+        for name in ("rows", "refill_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"{where}.{name}={getattr(self, name)} must be >= 0 (0: chosen for you)."
+                )
+        if self.rows and self.refill_rows > self.rows:
+            raise ConfigError(
+                f"{where}.refill_rows={self.refill_rows} exceeds {where}.rows={self.rows}: a "
+                "refill fills free rows; lower refill_rows or raise rows."
             )
         self.draft.validate(f"{where}.draft")
         self.tree.validate(f"{where}.tree")

@@ -1,5 +1,5 @@
 """The measuring parts of `launch/bench_rollout.py` that need no model: which prompts each batch
-runs (acceptance over distinct prompts), and the naming of profiled kernels from an XLA dump."""
+runs (a queue of distinct prompts), and the naming of profiled kernels from an XLA dump."""
 
 import argparse
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from jspec.launch import bench_rollout
 
-ARGS = argparse.Namespace(acceptance_rows=16, prompt_len=3)
+ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
 HLO = """HloModule jit__generate
 %fused_add (p: f32[8,128]) -> f32[8,128] {
   ROOT %add.1 = f32[8,128]{1,0} add(%p, %p)
@@ -19,16 +19,13 @@ ENTRY %main {
 """  # noqa: E501
 
 
-def test_small_batches_run_distinct_prompts_in_turn():
+def test_each_batch_runs_a_queue_of_distinct_prompts_in_turn():
     rows = np.arange(20)[:, None] * np.ones((1, 3), int)  # prompt i: [i, i, i]
-    groups = bench_rollout.prompt_groups(rows, 1, ARGS)
-    assert len(groups) == 16 and [int(g[0, 0]) for g in groups] == list(range(16))
-    (one,) = bench_rollout.prompt_groups(
-        rows, 4, argparse.Namespace(acceptance_rows=4, prompt_len=3)
-    )
-    assert one[:, 0].tolist() == [0, 1, 2, 3]
-    (wide,) = bench_rollout.prompt_groups(rows, 64, ARGS)  # more rows than prompts: they repeat
-    assert wide.shape == (64, 3) and wide[:, 0].tolist() == [i % 20 for i in range(64)]
+    one = bench_rollout.queue(rows, 1, ARGS)  # at least --acceptance-rows prompts
+    assert one.shape == (16, 3) and one[:, 0].tolist() == list(range(16))
+    wide = bench_rollout.queue(rows, 64, ARGS)  # --prompts-per-row: the distinct ones repeat
+    assert wide.shape == (256, 3) and wide[:, 0].tolist() == [i % 20 for i in range(256)]
+    assert bench_rollout.prompt_count(argparse.Namespace(**vars(ARGS), batches=[1, 8])) == 32
 
 
 def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):

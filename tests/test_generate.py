@@ -120,15 +120,40 @@ def test_greedy_through_the_pallas_decode_kernel(setup, pallas_trunk):
         np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
 
 
-def test_rollout_on_the_training_mesh_matches_one_device(setup):
-    """Rows over data x context (extra data parallelism in rollout), heads over tensor."""
+@pytest.mark.parametrize("rows", [0, 4])
+def test_rollout_on_the_training_mesh_matches_one_device(setup, rows):
+    """Rows over data x context (extra data parallelism in rollout), heads over tensor; with 4
+    rows for 8 prompts, refills of 4 rows (one per row shard)."""
     s = setup
     target = create(CONFIG, mesh=make_mesh(MeshConfig(data=2, context=2, tensor=2)))
     draft = ExternalDraft(noisy_copy(target, 0.1))
-    config = greedy(eos_id=s["eos"], tree=TREES["static"])
+    config = greedy(eos_id=s["eos"], tree=TREES["static"], rows=rows)
     got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
     assert got.tokens.sharding.num_devices == 8
     np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+
+
+@pytest.mark.parametrize("rows, refill", [(2, 1), (3, 2)])
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_rows_that_finish_take_the_next_prompt(setup, kind, rows, refill):
+    """Fewer rows than prompts (continuous batching) give each prompt the completion, the
+    log-probabilities and the steps it gets when every prompt has a row, in fewer loop steps
+    than one prompt after another."""
+    s = setup
+    draft, tree = (None, TreeConfig()) if kind == "plain" else (s["drafts"][kind], TREES["dynamic"])
+    run = lambda **kw: generate(
+        s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1),
+        greedy(eos_id=s["eos"], tree=tree, **kw),
+    )  # fmt: skip
+    whole, got = run(), run(rows=rows, refill_rows=refill)
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
+    np.testing.assert_allclose(got.logprobs, whole.logprobs, atol=1e-5)
+    for name in ("steps", "accepted", "accepted_non_first", "failed"):
+        np.testing.assert_array_equal(getattr(got.stats, name), getattr(whole.stats, name))
+    steps = np.asarray(whole.stats.steps)
+    assert int(whole.stats.iterations) == steps.max()
+    assert np.ceil(steps.sum() / rows) <= int(got.stats.iterations) < steps.sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +308,12 @@ BAD = {
         dict(tree=TreeConfig(depth=10, verify_budget=8)),
         None,
         r"tree of 10 nodes exceeds rollout.tree.verify_budget=8",
+    ),
+    "negative rows": (dict(rows=-1), None, r"rollout.rows=-1 must be >= 0"),
+    "refill beyond the rows": (
+        dict(rows=2, refill_rows=3),
+        None,
+        r"rollout.refill_rows=3 exceeds rollout.rows=2",
     ),
     "top_p of 0": (dict(top_p=0.0), None, r"rollout.top_p=0.0 must be in \(0, 1\]"),
     "top_p above 1": (dict(top_p=1.5), None, r"rollout.top_p=1.5 must be in \(0, 1\]"),

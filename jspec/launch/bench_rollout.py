@@ -85,11 +85,18 @@ def parse_args(argv=None):
         "'xla' (the cache part in XLA, not the Pallas kernel)",
     )
     p.add_argument(
+        "--prompts-per-row",
+        type=int,
+        default=4,
+        help="prompts the loops of generate run per row (continuous batching: a row that finishes "
+        "takes the next prompt), so that rows done early do not idle until the batch is done",
+    )
+    p.add_argument(
         "--acceptance-rows",
         type=int,
         default=16,
-        help="distinct prompts the loops of generate run at each batch size (batches smaller than "
-        "this run one after another), so that batch 1 does not measure one prompt's acceptance",
+        help="at least this many prompts at every batch size (batch 1 runs them one after "
+        "another), so that batch 1 does not measure one prompt's acceptance",
     )
     p.add_argument(
         "--compile-threads",
@@ -158,48 +165,45 @@ def log(what: str) -> None:
 
 
 class LoopRate(NamedTuple):
-    """The `generate` loop over some prompt rows, its prefill left out."""
+    """The `generate` loop over a queue of prompts, its prefills left out."""
 
     step: float  # seconds a step of the loop takes
     tokens_per_s: float  # tokens the rows emit per second
     accepted: float  # tokens a row emits per verify step
-    busy: float  # share of row-steps that emit (a row done early idles until the batch is done)
+    busy: float  # share of row-steps that emit (rows idle once the queue is empty)
 
 
-def loop_rate(model, draft, tree, groups: list, args) -> LoopRate:
-    """`LoopRate` of `generate` (draft, verify, bookkeeping; plain decoding when `draft` is None)
-    over each group of prompt rows in turn: the time of `--new-tokens` less that of one token (the
-    prefill's), summed over the groups, as are the steps and tokens of the rows."""
-    key, m = jax.random.key(0), args.new_tokens
-    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
+def rollout_config(tree: TreeConfig, m: int, rows: int, args) -> RolloutConfig:
+    return RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree, rows=rows)
 
-    def run(prompts, m):
-        lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-        return lambda: generate(model, draft, prompts, lengths, key, config(m))
 
-    seconds = loop_steps = row_steps = accepted = 0
-    for prompts in groups:
-        stats = run(prompts, m)().stats
-        seconds += best_time(run(prompts, m), args.iters) - best_time(run(prompts, 1), args.iters)
-        loop_steps += int(np.max(stats.steps))
-        row_steps += int(np.sum(stats.steps))
-        accepted += int(np.sum(stats.accepted))
+def loop_rate(model, draft, tree, prompts, rows: int, args) -> LoopRate:
+    """`LoopRate` of `generate` (draft, verify, bookkeeping, refills; plain decoding when `draft`
+    is None) over `prompts`, `rows` at a time. A run of `--new-tokens` and one of one token
+    prefill the same prompts in the same refills, so their time difference over their difference
+    in loop steps is the time of a step."""
+    lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
+    config = lambda m: rollout_config(tree, m, rows, args)
+    run = lambda m: lambda: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
+    long, short = run(args.new_tokens)().stats, run(1)().stats
+    seconds = best_time(run(args.new_tokens), args.iters) - best_time(run(1), args.iters)
+    step = seconds / (int(long.iterations) - int(short.iterations))
+    row_steps, accepted = int(np.sum(long.steps)), int(np.sum(long.accepted))
     return LoopRate(
-        step=seconds / loop_steps,
-        tokens_per_s=(row_steps + accepted) / seconds,
+        step=step,
+        tokens_per_s=(row_steps + accepted) / (int(long.iterations) * step),
         accepted=1 + accepted / row_steps,
-        busy=row_steps / (groups[0].shape[0] * loop_steps),
+        busy=row_steps / (rows * int(long.iterations)),
     )
 
 
-def warm_up(model, draft, prompts, loops: list, args) -> None:
+def warm_up(model, draft, prompts, rows: int, loops: list, args) -> None:
     """Compiles every program a batch times (by running it once): the `generate` loops of plain
     decoding and of each tree, at `--new-tokens` and at one token, and the jitted `loops`, up to
     `--compile-threads` at a time: compiling is most of a run's time, and XLA compiles a program
     on about one core. (The backends of `--compare` are compiled where they are timed.)"""
     key, lengths = jax.random.key(0), jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    config = lambda tree, m: RolloutConfig(max_new_tokens=m, temperature=args.temperature,
-                                           tree=tree)  # fmt: skip
+    config = lambda tree, m: rollout_config(tree, m, rows, args)
     runs = [(None, TreeConfig()), *(() if args.no_spec else ((draft, t) for t in TREES.values()))]
     jobs = [
         functools.partial(generate, model, d, prompts, lengths, key, config(tree, m))
@@ -210,7 +214,7 @@ def warm_up(model, draft, prompts, loops: list, args) -> None:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
         list(pool.map(lambda job: jax.block_until_ready(job()), jobs))
-    log(f"batch {prompts.shape[0]}: {len(jobs)} programs compiled in "
+    log(f"batch {rows}: {len(jobs)} programs compiled in "
         f"{time.perf_counter() - start:.0f} s")  # fmt: skip
 
 
@@ -221,7 +225,7 @@ def tree_nodes(tree: TreeConfig) -> int:
     return 1 + (tree.depth if tree.kind == "chain" else len(tree.parents))
 
 
-def speculative(model, draft, groups, plain: LoopRate, curve: dict, drafts: dict, args) -> dict:
+def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dict, args) -> dict:
     """Per tree of `drafts` (its `draft_loop`): the step's cost in plain decode steps, the accepted
     length, the measured speedup in tokens/s over plain decoding and the one the costs predict:
     accepted length (times the share of rows still busy) over the cost of verifying the tree's
@@ -229,7 +233,7 @@ def speculative(model, draft, groups, plain: LoopRate, curve: dict, drafts: dict
     out = {}
     for name, run in drafts.items():
         tree = TREES[name]
-        spec = loop_rate(model, draft, tree, groups, args)
+        spec = loop_rate(model, draft, tree, prompts, rows, args)
         drafting = loop_seconds(run, args.iters)
         predicted_step = curve[tree_nodes(tree)] + drafting
         out[name] = dict(
@@ -241,7 +245,7 @@ def speculative(model, draft, groups, plain: LoopRate, curve: dict, drafts: dict
             predicted_speedup=(spec.accepted * spec.busy / predicted_step)
             / (plain.busy / plain.step),
         )
-        log(f"batch {groups[0].shape[0]}: {name} timed")
+        log(f"batch {rows}: {name} timed")
     return out
 
 
@@ -373,9 +377,9 @@ def hlo_instructions(path: str, mtime: float) -> dict[str, str]:
 def generate_kernels(model, draft, tree, prompts, name: str, args) -> list:
     """`loop_kernels` of a step of the `generate` loop (plain decoding when `draft` is None)."""
     lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=0.0, tree=tree)
+    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
     run = lambda m: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
-    steps = int(np.max(run(args.new_tokens).stats.steps))
+    steps = int(run(args.new_tokens).stats.iterations)
     log_dir = f"{args.profile}/batch{prompts.shape[0]}-{name}"
     return loop_kernels(run, log_dir, (args.new_tokens, 1), steps)
 
@@ -393,16 +397,16 @@ def profile_kernels(model, draft, prompts, loops: dict, drafts: dict, args) -> d
     return kernels
 
 
-def compare_backends(model, groups: list, args) -> tuple[dict, dict]:
-    """The plain step (ms) over `groups` and, with `--profile`, its kernel table, on each backend
+def compare_backends(model, prompts, rows: int, args) -> tuple[dict, dict]:
+    """The plain step (ms) over `prompts` and, with `--profile`, its kernel table, on each backend
     of `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
     ms, kernels = {}, {}
     for name in args.compare:
         with attention_setting(**COMPARED[name]):
-            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), groups, args).step
+            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), prompts, rows, args).step
             if args.profile:
                 kernels[f"plain ({name})"] = generate_kernels(
-                    model, None, TreeConfig(), groups[0], f"plain-{name}", args
+                    model, None, TreeConfig(), prompts[:rows], f"plain-{name}", args
                 )
     return ms, kernels
 
@@ -416,11 +420,11 @@ def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:
     return (weight_bytes + kv_bytes) / args.bandwidth
 
 
-def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
+def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
     """One row of the table: the plain step, the verify cost curve, the speculative steps; the
-    loops of `generate` run over each group of prompt rows, the rest over the first."""
-    cfg, prompts = model.config, groups[0]
-    batch = prompts.shape[0]
+    loops of `generate` run `batch` rows over the `queue` of prompts (plain decoding alone: over
+    the first `batch`), the rest over the first `batch` prompts."""
+    cfg, prompts = model.config, queue[:batch]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
     trees = {} if args.no_spec else TREES
     sizes = {*args.tree_sizes, *map(tree_nodes, trees.values())}
@@ -429,10 +433,10 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
     drafts = {
         k: draft_loop(model, draft, prompts, lengths, t, slots, args) for k, t in trees.items()
     }
-    warm_up(model, draft, prompts, [*loops.values(), *drafts.values()], args)
     # Plain decoding over the prompts speculation runs (rows that end early matter to both).
-    plain_groups = groups if trees else groups[:1]
-    plain = loop_rate(model, None, TreeConfig(), plain_groups, args)
+    queue = queue if trees else prompts
+    warm_up(model, draft, queue, batch, [*loops.values(), *drafts.values()], args)
+    plain = loop_rate(model, None, TreeConfig(), queue, batch, args)
     step = plain.step
     log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
     curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
@@ -446,10 +450,10 @@ def measure(model, draft, groups: list, weight_bytes: int, args) -> dict:
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
         verify_in_decode_steps={n: s / step for n, s in curve.items()},
-        speculative=speculative(model, draft, groups, plain, curve, drafts, args),
+        speculative=speculative(model, draft, queue, batch, plain, curve, drafts, args),
     )
     kernels = profile_kernels(model, draft, prompts, loops, drafts, args) if args.profile else {}
-    compared, compared_kernels = compare_backends(model, plain_groups, args)
+    compared, compared_kernels = compare_backends(model, queue, batch, args)
     return dict(row, decode_ms_compared=compared, kernels={**kernels, **compared_kernels})
 
 
@@ -466,7 +470,7 @@ def main(argv=None):
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     rows = []
     for b in args.batches:
-        rows.append(measure(model, draft, prompt_groups(prompt_rows, b, args), weight_bytes, args))
+        rows.append(measure(model, draft, queue(prompt_rows, b, args), b, weight_bytes, args))
         print_row(rows[-1])
         trees = {name: dataclasses.asdict(tree) for name, tree in TREES.items()}
         out = dict(args=vars(args), trees={} if args.no_spec else trees, rows=rows)
@@ -475,12 +479,15 @@ def main(argv=None):
         print_choices(rows)
 
 
-def prompt_groups(prompt_rows: np.ndarray, batch: int, args) -> list[jax.Array]:
-    """Batches of `batch` prompt rows, as many distinct ones as `--acceptance-rows` asks and there
-    are (at least one batch, whose rows repeat if there are fewer prompts than rows)."""
-    count = max(1, min(args.acceptance_rows, len(prompt_rows)) // batch)
-    take = lambda g: np.resize(np.roll(prompt_rows, -g * batch, axis=0), (batch, args.prompt_len))
-    return [jnp.asarray(take(g), jnp.int32) for g in range(count)]
+def queue_length(batch: int, args) -> int:
+    """Prompts the loops of `generate` run at `batch` rows: `--prompts-per-row` per row, at least
+    `--acceptance-rows`."""
+    return max(batch * args.prompts_per_row, args.acceptance_rows)
+
+
+def queue(prompt_rows: np.ndarray, batch: int, args) -> jax.Array:
+    """The prompts of `batch` rows (`queue_length`), the distinct ones in turn."""
+    return jnp.asarray(np.resize(prompt_rows, (queue_length(batch, args), args.prompt_len)))
 
 
 def print_choices(rows) -> None:
@@ -534,8 +541,8 @@ def random_draft(cfg, draft_vocab: int):
 
 
 def prompt_count(args) -> int:
-    """Prompt rows a run needs: its largest batch, and `--acceptance-rows`."""
-    return max(*args.batches, args.acceptance_rows)
+    """Distinct prompts a run can use: the queue of its largest batch."""
+    return max(queue_length(b, args) for b in args.batches)
 
 
 def random_models(args):

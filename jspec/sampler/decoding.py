@@ -11,8 +11,11 @@ One verify step, for every row at once:
 
 The last emitted token becomes the next root (sampled, not yet in the cache). Plain decoding is the
 same loop with a tree of no nodes, so the two compare on equal terms. The loop runs while any row is
-active (`lax.while_loop`); every size is static: caches of prompt length + max_new_tokens slots,
-trees of a fixed node count. Each generated token's log-probability is taken under the target's
+active or any prompt waits (`lax.while_loop`). With fewer rows than prompts (`rows`), a row whose
+completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows,
+so rows that finish early (short answers, or more draft tokens accepted) do not idle until the
+slowest is done. Every size is static: caches of prompt length + max_new_tokens slots, trees of a
+fixed node count. Each generated token's log-probability is taken under the target's
 sampling distribution (after temperature, top-k and top-p: `sampling_probs`, the law `verify`
 preserves), as the policy loss needs it.
 """
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jspec import mesh as mesh_lib
 from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig, TreeConfig
@@ -47,20 +51,22 @@ from jspec.sampler.tree import (
 class RolloutStats(NamedTuple):
     """Acceptance statistics of one `generate` call.
 
-    steps [B]: target forwards after the prefill while the row was active (verify steps).
-    accepted [B]: draft tokens accepted and emitted.
+    steps [P]: target forwards after the prefill while the prompt's row was active (verify steps).
+    accepted [P]: draft tokens accepted and emitted.
     reached_depth [D]: over all rows and steps, how many accepted paths reached depth d = 1..D.
-    accepted_non_first [B]: accepted nodes that were not their parent's first child (siblings
+    accepted_non_first [P]: accepted nodes that were not their parent's first child (siblings
       earn their place only through these).
-    failed [B]: rows whose results must not be used (a prompt length out of range, or a cache
+    failed [P]: prompts whose results must not be used (a prompt length out of range, or a cache
       overflow, possible only when `rollout` is traced with unknown lengths).
+    iterations []: verify steps of the loop, active rows or not (a step costs the same either way).
     """
 
-    steps: Int[Array, " b"]
-    accepted: Int[Array, " b"]
+    steps: Int[Array, " p"]
+    accepted: Int[Array, " p"]
     reached_depth: Int[Array, " d"]
-    accepted_non_first: Int[Array, " b"]
-    failed: Bool[Array, " b"]
+    accepted_non_first: Int[Array, " p"]
+    failed: Bool[Array, " p"]
+    iterations: Int[Array, ""]
 
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
@@ -73,23 +79,34 @@ class RolloutStats(NamedTuple):
 
 
 class Rollout(NamedTuple):
-    """Generated completions: tokens [B,M] (-1 after each row's length), lengths [B] (an EOS
-    included), log-probabilities [B,M] (0 after the length) and acceptance statistics."""
+    """Generated completions, one per prompt: tokens [P,M] (-1 after each one's length), lengths
+    [P] (an EOS included), log-probabilities [P,M] (0 after the length) and statistics."""
 
-    tokens: Int[Array, "b m"]
-    lengths: Int[Array, " b"]
-    logprobs: Float[Array, "b m"]
+    tokens: Int[Array, "p m"]
+    lengths: Int[Array, " p"]
+    logprobs: Float[Array, "p m"]
     stats: RolloutStats
 
 
-class _Loop(NamedTuple):
+class _Rows(NamedTuple):
+    """Rows just prefilled: both caches, the draft at the root, the root (the first token sampled,
+    not yet in the cache) and its log-probability."""
+
     cache: Any
     draft: DraftOut | None
     root: Int[Array, " b"]
-    tokens: Int[Array, "b m"]
-    logprobs: Float[Array, "b m"]
-    length: Int[Array, " b"]
+    logprob: Float[Array, " b"]
+
+
+class _Loop(NamedTuple):
+    rows: _Rows  # [B] rows decoded at once
+    prompt: Int[Array, " b"]  # the prompt each row completes (P: none)
+    length: Int[Array, " b"]  # tokens the row's completion holds
     done: Bool[Array, " b"]
+    queued: Int[Array, ""]  # prompts given a row so far (the next one to start)
+    tokens: Int[Array, "p m"]
+    logprobs: Float[Array, "p m"]
+    lengths: Int[Array, " p"]
     stats: RolloutStats
     key: jax.Array
 
@@ -97,14 +114,15 @@ class _Loop(NamedTuple):
 def generate(
     target: Transformer,
     draft: Draft | None,
-    prompts: Int[Array, "b t"],
-    prompt_lengths: Int[Array, " b"],
+    prompts: Int[Array, "p t"],
+    prompt_lengths: Int[Array, " p"],
     key: jax.Array,
     config: RolloutConfig,
 ) -> Rollout:
-    """Completions of right-padded prompts (row b: its first `prompt_lengths[b]` tokens).
+    """Completions of right-padded prompts (prompt p: its first `prompt_lengths[p]` tokens).
 
-    `draft` None decodes plainly; otherwise `config.tree` says which tree it proposes. Every
+    `draft` None decodes plainly; otherwise `config.tree` says which tree it proposes.
+    `config.rows` rows decode at once, each taking the next prompt when its completion ends. Every
     argument is checked before compilation; the program is compiled once per shape and config.
     """
     check_generate_args(target, draft, prompts, prompt_lengths, config)
@@ -130,12 +148,12 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
         check_target(draft, target.config)
     if getattr(prompts, "ndim", None) != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
         raise ValueError(
-            f"prompts must be an integer array [batch, tokens], got "
+            f"prompts must be an integer array [prompts, tokens], got "
             f"{getattr(prompts, 'dtype', type(prompts))}{getattr(prompts, 'shape', '')}."
         )
-    b, t = prompts.shape
-    if np.shape(prompt_lengths) != (b,):
-        raise ValueError(f"prompt_lengths {np.shape(prompt_lengths)} must be [batch]=[{b}].")
+    p, t = prompts.shape
+    if np.shape(prompt_lengths) != (p,):
+        raise ValueError(f"prompt_lengths {np.shape(prompt_lengths)} must be [prompts]=[{p}].")
     total = t + config.max_new_tokens
     if total > target.config.max_seq_len:
         raise ConfigError(
@@ -153,68 +171,133 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
             )
 
 
+def decode_rows(config: RolloutConfig, prompts: int) -> int:
+    """Rows decoded at once: `config.rows`, at most one per prompt (0: every prompt)."""
+    return min(config.rows or prompts, prompts)
+
+
+def refill_rows(config: RolloutConfig, rows: int, mesh) -> int:
+    """Prompts a refill prefills together: `config.refill_rows`, or a row in 8 rounded up to the
+    row shards (a refill's rows split as the rows do)."""
+    shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "decode_batch")
+    chunk = config.refill_rows or -(-max(1, rows // 8) // shards) * shards
+    return min(chunk, rows)
+
+
 def rollout(
     target: Transformer,
     draft: Draft | None,
-    prompts: Int[Array, "b t"],
-    lengths: Int[Array, " b"],
+    prompts: Int[Array, "p t"],
+    lengths: Int[Array, " p"],
     key: jax.Array,
     config: RolloutConfig,
 ) -> Rollout:
     """The traceable body of `generate` (call it inside your own `jit`)."""
     target = target.for_rollout()
     draft = None if draft is None else draft.for_rollout()
-    b, t = prompts.shape
+    p, t = prompts.shape
     m = config.max_new_tokens
+    b = decode_rows(config, p)
     lengths = jnp.asarray(lengths, jnp.int32)
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
     embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
-    uses_taps = draft is not None and draft.uses_taps
+    start = functools.partial(_start, target, draft, embed, config, t + m)
     first_key, key = jax.random.split(key)
+    rows = start(prompts[:b], lengths[:b], first_key)
+    first = jnp.arange(b)
+    depth = _tree_depth(config.tree) if draft is not None else 0
+    zeros = jnp.zeros((p,), jnp.int32)
+    stats = RolloutStats(
+        steps=zeros,
+        accepted=zeros,
+        reached_depth=jnp.zeros((depth,), jnp.int32),
+        accepted_non_first=zeros,
+        failed=failed,
+        iterations=jnp.int32(0),
+    )
+    state = _Loop(
+        rows=rows,
+        prompt=first,
+        length=jnp.ones((b,), jnp.int32),
+        done=_stops(rows.root, config) | (m == 1),
+        queued=jnp.int32(b),
+        tokens=jnp.full((p, m), -1, jnp.int32).at[first, 0].set(rows.root),
+        logprobs=jnp.zeros((p, m), jnp.float32).at[first, 0].set(rows.logprob),
+        lengths=jnp.ones((p,), jnp.int32),
+        stats=stats,
+        key=key,
+    )
+    step = functools.partial(_verify_step, target, draft, embed, config)
+    if b < p:
+        refill = functools.partial(
+            _refill, start, config, prompts, lengths, refill_rows(config, b, target.mesh)
+        )
+        step = lambda s, step=step: step(refill(s))
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) | (s.queued < p), step, state)
+    return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
 
-    slots = cache_slots(t + m, target.config.max_seq_len)
+
+def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, lengths, key):
+    """`_Rows` of prompts: both caches prefilled (for `max_len` tokens) and the root sampled."""
+    b = prompts.shape[0]
+    uses_taps = draft is not None and draft.uses_taps
+    slots = cache_slots(max_len, target.config.max_seq_len)
     out = target.prefill(prompts, target.init_cache(b, slots), lengths, taps=uses_taps)
-    logits, cache = out[:2]
-    probs = _sampling_probs(logits, config)
-    root = sample_from_probs(first_key, probs)
-    tokens = jnp.full((b, m), -1, jnp.int32).at[:, 0].set(root)
-    logprobs = jnp.zeros((b, m), jnp.float32).at[:, 0].set(_log_at(probs, root))
+    probs = _sampling_probs(out[0], config)
+    root = sample_from_probs(key, probs)
     draft_out = None
     if draft is not None:
         features = out[2] if uses_taps else None
-        draft_cache = draft.init_cache(b, t + m)
+        draft_cache = draft.init_cache(b, max_len)
         draft_out = draft.prefill(embed, prompts, lengths, root, features, draft_cache)
-    depth = _tree_depth(config.tree) if draft is not None else 0
-    stats = RolloutStats(
-        steps=jnp.zeros((b,), jnp.int32),
-        accepted=jnp.zeros((b,), jnp.int32),
-        reached_depth=jnp.zeros((depth,), jnp.int32),
-        accepted_non_first=jnp.zeros((b,), jnp.int32),
-        failed=failed,
-    )
-    done = _stops(root, config) | (m == 1)
-    state = _Loop(cache, draft_out, root, tokens, logprobs, jnp.ones((b,), jnp.int32), done,
-                  stats, key)  # fmt: skip
-    step = functools.partial(_verify_step, target, draft, embed, config)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-    stats = state.stats._replace(failed=state.stats.failed | state.cache.overflowed)
-    return Rollout(state.tokens, state.length, state.logprobs, stats)
+    return _Rows(out[1], draft_out, root, _log_at(probs, root))
+
+
+def _refill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop) -> _Loop:
+    """Starts the next `chunk` prompts (or the rest of the queue) in rows whose completion has
+    ended, once that many are free; a prefill of `chunk` rows either way."""
+    p, b = prompts.shape[0], s.done.shape[0]
+    count = jnp.minimum(chunk, p - s.queued)
+
+    def fill(s: _Loop) -> _Loop:
+        key, start_key = jax.random.split(s.key)
+        j = jnp.arange(chunk)
+        taken = j < count
+        row = jnp.where(taken, jnp.argsort(~s.done, stable=True)[:chunk], b)  # free rows first
+        prompt = jnp.where(taken, s.queued + j, p)
+        index = jnp.minimum(prompt, p - 1)
+        new = start(prompts[index], lengths[index], start_key)
+        put = lambda old, x: old.at[row].set(x, mode="drop")
+        return s._replace(
+            rows=jax.tree.map(put, s.rows, new),
+            prompt=put(s.prompt, prompt),
+            length=put(s.length, 1),
+            done=put(s.done, _stops(new.root, config) | (config.max_new_tokens == 1)),
+            queued=s.queued + count,
+            tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
+            logprobs=s.logprobs.at[prompt, 0].set(new.logprob, mode="drop"),
+            key=key,
+        )
+
+    ready = (count > 0) & (jnp.sum(s.done) >= count)
+    return jax.lax.cond(ready, fill, lambda s: s, s)
 
 
 def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop:
     """Draft a tree, verify it in one target forward, emit, and advance both caches."""
-    b, m = s.tokens.shape
+    b, m = s.done.shape[0], s.tokens.shape[1]
+    cache, root = s.rows.cache, s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
     if draft is None:
         empty = jnp.zeros((b, 0), jnp.int32)
         tree = Tree(empty, empty, empty)
     else:
-        tree = propose(draft, embed, s.draft, tree_key, config)
-    layout = branch_layout(tree, s.root, s.cache.length - 1)
-    positions = s.cache.length[:, None] + layout.depth
+        tree = propose(draft, embed, s.rows.draft, tree_key, config)
+    layout = branch_layout(tree, root, cache.length - 1)
+    positions = cache.length[:, None] + layout.depth
     out = target.branch_forward(
-        s.cache, layout.tokens, positions, layout.anchor, layout.parent,
+        cache, layout.tokens, positions, layout.anchor, layout.parent,
         taps=draft is not None and draft.uses_taps,
     )  # fmt: skip
     logits, k, v = out[:3]
@@ -228,7 +311,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
 
     j = jnp.arange(emitted.shape[1])
     slot = jnp.where(j < count[:, None], s.length[:, None] + j, m)
-    rows = jnp.arange(b)[:, None]
+    rows = s.prompt[:, None]
     probs = jnp.take_along_axis(_sampling_probs(logits, config), source[..., None], axis=1)
     tokens = s.tokens.at[rows, slot].set(emitted, mode="drop")
     logprobs = s.logprobs.at[rows, slot].set(_log_at(probs, jnp.maximum(emitted, 0)), mode="drop")
@@ -237,31 +320,40 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     emitted_eos = jnp.any(_stops(emitted, config) & (j < count[:, None]), axis=1)
 
     pick = lambda x: jnp.take_along_axis(x, source.reshape(1, b, -1, *([1] * (x.ndim - 3))), 2)
-    cache = s.cache.append(pick(k), pick(v), count)
-    draft_out = s.draft
+    cache = cache.append(pick(k), pick(v), count)
+    draft_out = s.rows.draft
     if draft is not None:
         features = pick(out[3]) if draft.uses_taps else None
-        new = draft.extend(embed, emitted, features, count, s.draft.cache)
+        new = draft.extend(embed, emitted, features, count, draft_out.cache)
         keep = (count > 0)[:, None]
         draft_out = DraftOut(
-            jnp.where(keep, new.logits, s.draft.logits),
-            jnp.where(keep, new.hidden, s.draft.hidden),
+            jnp.where(keep, new.logits, draft_out.logits),
+            jnp.where(keep, new.hidden, draft_out.hidden),
             new.cache,
         )
-    active = ~s.done
     accepted = jnp.maximum(count - 1, 0)
+    add = lambda total, x: total.at[s.prompt].add(x, mode="drop")
     d = jnp.arange(1, s.stats.reached_depth.shape[0] + 1)
-    stats = s.stats._replace(
-        steps=s.stats.steps + active,
-        accepted=s.stats.accepted + accepted,
+    stats = RolloutStats(
+        steps=add(s.stats.steps, ~s.done),
+        accepted=add(s.stats.accepted, accepted),
         reached_depth=s.stats.reached_depth + jnp.sum(accepted[:, None] >= d, axis=0),
-        accepted_non_first=s.stats.accepted_non_first
-        + _non_first_accepted(tree.parents, verdict.path, accepted),
+        accepted_non_first=add(
+            s.stats.accepted_non_first, _non_first_accepted(tree.parents, verdict.path, accepted)
+        ),
+        failed=s.stats.failed.at[s.prompt].max(cache.overflowed, mode="drop"),
+        iterations=s.stats.iterations + 1,
     )
-    return _Loop(
-        cache, draft_out, jnp.where(count > 0, last, s.root), tokens, logprobs, length,
-        s.done | emitted_eos | (length >= m), stats, key,
-    )  # fmt: skip
+    return s._replace(
+        rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root), s.rows.logprob),
+        length=length,
+        done=s.done | emitted_eos | (length >= m),
+        tokens=tokens,
+        logprobs=logprobs,
+        lengths=s.lengths.at[s.prompt].set(length, mode="drop"),
+        stats=stats,
+        key=key,
+    )
 
 
 def _emit_count(emitted, count, length, done, config: RolloutConfig):

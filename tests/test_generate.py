@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import chi_square_p_value, distill_eagle3, noisy_copy
+from jax import monitoring
 
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.decoding as decoding
@@ -287,6 +288,21 @@ def test_identical_draft_accepts_everything_and_generate_compiles_once(setup):
         np.testing.assert_array_equal(out.stats.accepted, 9)
         np.testing.assert_array_equal(out.lengths, NEW)
     assert decoding._generate._cache_size() - before == 1
+
+
+def test_compile_generate_leaves_generate_nothing_to_compile(setup):
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _, **kw: compiles.append(event) if "backend_compile" in event else None
+    )
+    s, config = setup, greedy(rows=4)
+    args = (s["target"], None, s["prompts"], s["lengths"], jax.random.key(0), config)
+    decoding.compile_generate(*args)
+    assert compiles, "compile_generate compiled nothing"
+    compiles.clear()
+    out = generate(*args)
+    assert not compiles, "generate compiled again"
+    np.testing.assert_array_equal(out.tokens[:, :4], setup["plain"].tokens[:, :4])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from jspec.launch.timing import best_time, loop_seconds
 from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.tasks import HFTokenizer
-from jspec.sampler import decoding, generate
+from jspec.sampler import compile_generate, decoding, generate
 from jspec.sampler.tree_choice import StepCosts, choose_tree
 
 
@@ -102,8 +102,8 @@ def parse_args(argv=None):
         "--compile-threads",
         type=int,
         default=4,
-        help="programs compiled at once before a batch is timed (each holds its own copy of the "
-        "weights while it runs once: lower it if the device runs out of memory)",
+        help="programs compiled at once before a batch is timed (compiled, not run: the memory "
+        "of the host's compiler threads is the limit)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
@@ -198,22 +198,23 @@ def loop_rate(model, draft, tree, prompts, rows: int, args) -> LoopRate:
 
 
 def warm_up(model, draft, prompts, rows: int, loops: list, args) -> None:
-    """Compiles every program a batch times (by running it once): the `generate` loops of plain
-    decoding and of each tree, at `--new-tokens` and at one token, and the jitted `loops`, up to
-    `--compile-threads` at a time: compiling is most of a run's time, and XLA compiles a program
-    on about one core. (The backends of `--compare` are compiled where they are timed.)"""
+    """Compiles, without running them, every program a batch times: the `generate` loops of plain
+    decoding and of each tree, at `--new-tokens` and at one token, and the jitted `loops`
+    (partials of a jitted function, all but the count bound), up to `--compile-threads` at a time:
+    compiling is most of a run's time, and XLA compiles a program on about one core. (The
+    backends of `--compare` are compiled where they are timed.)"""
     key, lengths = jax.random.key(0), jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
     config = lambda tree, m: rollout_config(tree, m, rows, args)
     runs = [(None, TreeConfig()), *(() if args.no_spec else ((draft, t) for t in TREES.values()))]
     jobs = [
-        functools.partial(generate, model, d, prompts, lengths, key, config(tree, m))
+        functools.partial(compile_generate, model, d, prompts, lengths, key, config(tree, m))
         for d, tree in runs
         for m in (args.new_tokens, 1)
     ]
-    jobs += [functools.partial(run, jnp.int32(2)) for run in loops]
+    jobs += [lambda r=run: r.func.lower(*r.args, jnp.int32(2)).compile() for run in loops]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
-        list(pool.map(lambda job: jax.block_until_ready(job()), jobs))
+        list(pool.map(lambda job: job(), jobs))
     log(f"batch {rows}: {len(jobs)} programs compiled in "
         f"{time.perf_counter() - start:.0f} s")  # fmt: skip
 
@@ -261,7 +262,7 @@ def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
 
 def verify_loop(graphdef, state, cache, prompts, n: int):
     """`run(count)`: `count` branch forwards over a chain of n nodes against `cache`, in a jitted
-    loop (weights sliced once before it, as `generate` does)."""
+    loop (weights sliced once before it, as `generate` does): a partial of the jitted loop."""
     b = prompts.shape[0]
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
     anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
@@ -279,12 +280,13 @@ def verify_loop(graphdef, state, cache, prompts, n: int):
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
 
-    return lambda count: run(state, cache, count)
+    return functools.partial(run, state, cache)
 
 
 def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, args):
     """`run(count)`: `count` proposals of `tree` by the draft from one prefilled root, in a jitted
-    loop, as `generate` drafts (the root's logits move with the loop, so nothing is hoisted)."""
+    loop, as `generate` drafts (the root's logits move with the loop, so nothing is hoisted): a
+    partial of the jitted loop."""
     config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=args.temperature, tree=tree)
     b = prompts.shape[0]
 
@@ -305,7 +307,7 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
 
-    return lambda count: run(model, draft, count)
+    return functools.partial(run, model, draft)
 
 
 def gpu_kernels(run, log_dir: str) -> tuple[collections.Counter, collections.Counter]:

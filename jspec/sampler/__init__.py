@@ -7,7 +7,7 @@ tests.
 """
 
 from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
-from jspec.sampler.decoding import Rollout, RolloutStats, generate, rollout
+from jspec.sampler.decoding import Rollout, RolloutStats, compile_generate, generate, rollout
 from jspec.sampler.sampling import sample, sample_from_probs, sampling_probs
 from jspec.sampler.tree import (
     BranchLayout,
@@ -35,6 +35,7 @@ __all__ = [
     "branch_layout",
     "build_dynamic_tree",
     "build_static_tree",
+    "compile_generate",
     "dynamic_tree_finish",
     "dynamic_tree_init",
     "dynamic_tree_step",

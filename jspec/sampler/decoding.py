@@ -125,13 +125,23 @@ def generate(
     `config.rows` rows decode at once, each taking the next prompt when its completion ends. Every
     argument is checked before compilation; the program is compiled once per shape and config.
     """
+    args = _generate_args(target, draft, prompts, prompt_lengths, key, config)
+    return _generate(*args, config=config)
+
+
+def compile_generate(target, draft, prompts, prompt_lengths, key, config: RolloutConfig) -> None:
+    """Compiles the program `generate` runs on these arguments' shapes, without running it; a
+    later `generate` call reuses it. Compiling takes long on about one core, so several programs
+    may compile at once in threads, without the memory that running them at once would take."""
+    args = _generate_args(target, draft, prompts, prompt_lengths, key, config)
+    _generate.lower(*args, config=config).compile()
+
+
+def _generate_args(target, draft, prompts, prompt_lengths, key, config: RolloutConfig) -> tuple:
     check_generate_args(target, draft, prompts, prompt_lengths, config)
     target_def, target_state = nnx.split(target)
     draft_def, draft_state = nnx.split(draft) if draft is not None else (None, None)
-    return _generate(
-        target_def, draft_def, target_state, draft_state, prompts, prompt_lengths, key,
-        config=config,
-    )  # fmt: skip
+    return target_def, draft_def, target_state, draft_state, prompts, prompt_lengths, key
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config"))

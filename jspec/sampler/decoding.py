@@ -14,10 +14,10 @@ same loop with a tree of no nodes, so the two compare on equal terms. The loop r
 active or any prompt waits (`lax.while_loop`). With fewer rows than prompts (`rows`), a row whose
 completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows,
 so rows that finish early (short answers, or more draft tokens accepted) do not idle until the
-slowest is done. Every size is static: caches of prompt length + max_new_tokens slots, trees of a
-fixed node count. Each generated token's log-probability is taken under the target's
-sampling distribution (after temperature, top-k and top-p: `sampling_probs`, the law `verify`
-preserves), as the policy loss needs it.
+slowest is done. The rows' first prompts are prefilled `refill_rows` at a time too. Every size is
+static: caches of prompt length + max_new_tokens slots, trees of a fixed node count. Each generated
+token's log-probability is taken under the target's sampling distribution (after temperature,
+top-k and top-p: `sampling_probs`, the law `verify` preserves), as the policy loss needs it.
 """
 
 from __future__ import annotations
@@ -213,9 +213,8 @@ def rollout(
     lengths = jnp.clip(lengths, 1, t)
     embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
     start = functools.partial(_start, target, draft, embed, config, t + m)
-    first_key, key = jax.random.split(key)
-    rows = start(prompts[:b], lengths[:b], first_key)
-    first = jnp.arange(b)
+    chunk = refill_rows(config, b, target.mesh)
+    fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     depth = _tree_depth(config.tree) if draft is not None else 0
     zeros = jnp.zeros((p,), jnp.int32)
     stats = RolloutStats(
@@ -226,24 +225,24 @@ def rollout(
         failed=failed,
         iterations=jnp.int32(0),
     )
+    empty = jax.eval_shape(start, prompts[:b], lengths[:b], key)
     state = _Loop(
-        rows=rows,
-        prompt=first,
+        rows=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), empty),
+        prompt=jnp.full((b,), p),
         length=jnp.ones((b,), jnp.int32),
-        done=_stops(rows.root, config) | (m == 1),
-        queued=jnp.int32(b),
-        tokens=jnp.full((p, m), -1, jnp.int32).at[first, 0].set(rows.root),
-        logprobs=jnp.zeros((p, m), jnp.float32).at[first, 0].set(rows.logprob),
+        done=jnp.ones((b,), bool),
+        queued=jnp.int32(0),
+        tokens=jnp.full((p, m), -1, jnp.int32),
+        logprobs=jnp.zeros((p, m), jnp.float32),
         lengths=jnp.ones((p,), jnp.int32),
         stats=stats,
         key=key,
     )
+    # The rows' first prompts, a refill at a time: a prefill's activations are of `chunk` rows.
+    state = jax.lax.fori_loop(0, -(-b // chunk), lambda _, s: fill(s), state)
     step = functools.partial(_verify_step, target, draft, embed, config)
     if b < p:
-        refill = functools.partial(
-            _refill, start, config, prompts, lengths, refill_rows(config, b, target.mesh)
-        )
-        step = lambda s, step=step: step(refill(s))
+        step = lambda s, step=step: step(_refill(fill, chunk, s))
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) | (s.queued < p), step, state)
     return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
 
@@ -264,34 +263,44 @@ def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, l
     return _Rows(out[1], draft_out, root, _log_at(probs, root))
 
 
-def _refill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop) -> _Loop:
-    """Starts the next `chunk` prompts (or the rest of the queue) in rows whose completion has
-    ended, once that many are free; a prefill of `chunk` rows either way."""
+def _refill(fill, chunk: int, s: _Loop) -> _Loop:
+    """`fill` once `chunk` rows are free (or as many as prompts wait)."""
+    count = jnp.minimum(chunk, s.tokens.shape[0] - s.queued)
+    return fill(s, ready=(count > 0) & (jnp.sum(s.done) >= count))
+
+
+def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, ready=True):
+    """Starts the next prompts in rows whose completion has ended (`done`): as many as there are
+    such rows, at most `chunk` and the prompts that wait, in one prefill of `chunk` rows, which
+    runs only if `ready`. (The rows are written either way, none when not ready: under a `cond`
+    the caches would be copied.)"""
     p, b = prompts.shape[0], s.done.shape[0]
-    count = jnp.minimum(chunk, p - s.queued)
-
-    def fill(s: _Loop) -> _Loop:
-        key, start_key = jax.random.split(s.key)
-        j = jnp.arange(chunk)
-        taken = j < count
-        row = jnp.where(taken, jnp.argsort(~s.done, stable=True)[:chunk], b)  # free rows first
-        prompt = jnp.where(taken, s.queued + j, p)
-        index = jnp.minimum(prompt, p - 1)
-        new = start(prompts[index], lengths[index], start_key)
-        put = lambda old, x: old.at[row].set(x, mode="drop")
-        return s._replace(
-            rows=jax.tree.map(put, s.rows, new),
-            prompt=put(s.prompt, prompt),
-            length=put(s.length, 1),
-            done=put(s.done, _stops(new.root, config) | (config.max_new_tokens == 1)),
-            queued=s.queued + count,
-            tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
-            logprobs=s.logprobs.at[prompt, 0].set(new.logprob, mode="drop"),
-            key=key,
+    key, start_key = jax.random.split(s.key)
+    j = jnp.arange(chunk)
+    count = jnp.minimum(jnp.minimum(chunk, p - s.queued), jnp.sum(s.done))
+    taken = (j < count) & ready
+    row = jnp.where(taken, jnp.argsort(~s.done, stable=True)[:chunk], b)  # free rows first
+    prompt = jnp.where(taken, s.queued + j, p)
+    index = jnp.minimum(prompt, p - 1)
+    args = (prompts[index], lengths[index], start_key)
+    if ready is True:
+        new = start(*args)
+    else:
+        zeros = lambda *a: jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(start, *a)
         )
-
-    ready = (count > 0) & (jnp.sum(s.done) >= count)
-    return jax.lax.cond(ready, fill, lambda s: s, s)
+        new = jax.lax.cond(ready, start, zeros, *args)
+    put = lambda old, x: old.at[row].set(x, mode="drop")
+    return s._replace(
+        rows=jax.tree.map(put, s.rows, new),
+        prompt=put(s.prompt, prompt),
+        length=put(s.length, 1),
+        done=put(s.done, _stops(new.root, config) | (config.max_new_tokens == 1)),
+        queued=s.queued + jnp.sum(taken),
+        tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
+        logprobs=s.logprobs.at[prompt, 0].set(new.logprob, mode="drop"),
+        key=key,
+    )
 
 
 def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop:

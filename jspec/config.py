@@ -303,9 +303,9 @@ class RolloutConfig:
     # Rows decoded at once (0: every prompt). With fewer rows than prompts, a row whose completion
     # ends takes the next prompt (continuous batching): rows do not idle until the slowest is done.
     rows: int = 0
-    # Prompts prefilled together into free rows, the rows' first prompts too (0: a row in 8, at
-    # least one per shard of the rows): a prefill's activations are of this many rows. A refill
-    # waits until that many rows are free.
+    # Prompts prefilled together into free rows, the rows' first prompts too: a prefill's
+    # activations are of this many rows. A refill waits until that many rows are free. 0: every
+    # row at once when every prompt has a row, else a row in 8 (at least one per row shard).
     refill_rows: int = 0
 
     def validate(self, model: ModelConfig, where: str = "rollout") -> None:

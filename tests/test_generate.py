@@ -132,6 +132,9 @@ def test_rollout_on_the_training_mesh_matches_one_device(setup, rows):
     got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
     assert got.tokens.sharding.num_devices == 8
     np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    with pytest.raises(ConfigError, match=r"rollout.refill_rows=2 does not split over the 4"):
+        config = greedy(rows=4, refill_rows=2)
+        generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
 
 
 @pytest.mark.parametrize("rows, refill", [(2, 1), (3, 2)])
@@ -155,6 +158,7 @@ def test_rows_that_finish_take_the_next_prompt(setup, kind, rows, refill):
     steps = np.asarray(whole.stats.steps)
     assert int(whole.stats.iterations) == steps.max()
     assert np.ceil(steps.sum() / rows) <= int(got.stats.iterations) < steps.sum()
+    assert got.stats.busy() == steps.sum() / (rows * int(got.stats.iterations))
 
 
 # ---------------------------------------------------------------------------------------------

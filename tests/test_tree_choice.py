@@ -1,4 +1,4 @@
-"""Choosing the tree per batch size: the largest accepted length over cost, plain decoding when no
+"""Choosing the tree per batch size: the most tokens per row-step over cost, plain decoding when no
 tree pays, costs interpolated in log2(batch) and read from bench_rollout's JSON."""
 
 import dataclasses
@@ -42,17 +42,17 @@ def test_costs_from_bench_json(tmp_path):
     assert StepCosts.from_bench(path) == COSTS
 
 
-def bench_json(path, trees, accepted):
-    """A bench_rollout JSON over COSTS' batches: the trees' fields and, per batch, each tree's cost
-    and accepted length."""
+def bench_json(path, trees, accepted, busy=None):
+    """A bench_rollout JSON over COSTS' batches: the trees' fields and, per batch, each tree's cost,
+    accepted length and share of busy row-steps (`busy`, 1 by default)."""
+    busy = busy or {}
+    step = lambda t, i: {
+        "step_in_decode_steps": COSTS.cost[t][i],
+        "accepted_length": accepted[t],
+        "busy": busy.get(t, 1.0),
+    }
     rows = [
-        {
-            "batch": b,
-            "speculative": {
-                t: {"step_in_decode_steps": COSTS.cost[t][i], "accepted_length": accepted[t]}
-                for t in trees
-            },
-        }
+        {"batch": b, "speculative": {t: step(t, i) for t in trees}}
         for i, b in enumerate(COSTS.batches)
     ]
     fields = {t: dataclasses.asdict(tree) for t, tree in trees.items()}
@@ -73,8 +73,20 @@ def test_chooser_follows_the_measured_acceptance(tmp_path):
     for _ in range(10):  # the dynamic tree accepts less than the bench said: the chain wins at 1
         chooser.observe("dynamic", 2.0)
     assert chooser.pick(1)[0] == "chain"
-    chooser.observe(None, 9.0)  # plain decoding measures nothing
+    chooser.observe(None, 0.5)  # plain decoding's rows idle half the time: it moves only itself
     assert chooser.estimate == pytest.approx({"chain": 2.5, "dynamic": 2.0 + 1.2 * 0.8**10})
+    assert chooser.plain == pytest.approx(0.9)
+
+
+def test_rows_that_idle_count_against_a_tree(tmp_path):
+    """A tree whose rows finish unevenly (half their steps idle) loses to one that accepts less;
+    plain decoding's idle rows count against it too."""
+    path = bench_json(tmp_path / "b.json", TREES, ACCEPTED, busy={"dynamic": 0.5})
+    chooser = TreeChooser.from_bench(path)
+    assert chooser.estimate == pytest.approx({"chain": 2.5, "dynamic": 1.6})
+    assert chooser.pick(1)[0] == "chain"
+    assert choose_tree(COSTS, 256, ACCEPTED) == (None, 1.0)
+    assert choose_tree(COSTS, 256, ACCEPTED, plain=0.5) == ("chain", pytest.approx(2.5 / 3 / 0.5))
 
 
 def test_chooser_decodes_plainly_where_no_tree_pays_and_probes(tmp_path):

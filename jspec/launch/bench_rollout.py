@@ -188,12 +188,11 @@ def loop_rate(model, draft, tree, prompts, rows: int, args) -> LoopRate:
     long, short = run(args.new_tokens)().stats, run(1)().stats
     seconds = best_time(run(args.new_tokens), args.iters) - best_time(run(1), args.iters)
     step = seconds / (int(long.iterations) - int(short.iterations))
-    row_steps, accepted = int(np.sum(long.steps)), int(np.sum(long.accepted))
     return LoopRate(
         step=step,
-        tokens_per_s=(row_steps + accepted) / (int(long.iterations) * step),
-        accepted=1 + accepted / row_steps,
-        busy=row_steps / (rows * int(long.iterations)),
+        tokens_per_s=long.tokens_per_row_step() * rows / step,
+        accepted=long.mean_accepted_length(),
+        busy=long.busy(),
     )
 
 
@@ -448,6 +447,7 @@ def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
         batch=batch,
         decode_ms=1e3 * step,
         tokens_per_s=plain.tokens_per_s,
+        busy=plain.busy,
         floor_ms=1e3 * floor,
         of_floor=floor / step,
         verify_ms={n: 1e3 * s for n, s in curve.items()},
@@ -493,12 +493,12 @@ def queue(prompt_rows: np.ndarray, batch: int, args) -> jax.Array:
 
 
 def print_choices(rows) -> None:
-    """The tree `choose_tree` takes at each batch from this run's costs and accepted lengths, and
-    its measured speedup (1.0: plain decoding)."""
+    """The tree `choose_tree` takes at each batch from this run's costs and tokens per row-step,
+    and its measured speedup (1.0: plain decoding)."""
     costs = StepCosts.from_rows(rows)
     for r in rows:
-        accepted = {t: x["accepted_length"] for t, x in r["speculative"].items()}
-        tree, _ = choose_tree(costs, r["batch"], accepted)
+        accepted = {t: x["accepted_length"] * x["busy"] for t, x in r["speculative"].items()}
+        tree, _ = choose_tree(costs, r["batch"], accepted, r["busy"])
         speedup = 1.0 if tree is None else r["speculative"][tree]["speedup"]
         print(f"batch {r['batch']:4d}: chosen {tree or 'plain decoding'}, speedup {speedup:.2f}x")
 

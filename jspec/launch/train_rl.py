@@ -56,6 +56,7 @@ from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
+from jspec.sampler.decoding import decode_rows
 from jspec.sampler.tree_choice import TreeChooser
 
 
@@ -237,7 +238,7 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     config, tree, speculative = run.cfg.rollout, None, True
     if run.trees is not None:  # the bench timed one device: its batch is the rows per device
         shards = mesh_lib.axis_size(run.rollout_mesh or run.mesh, "decode_batch")
-        tree, tree_config = run.trees.pick(rl.batch // shards)
+        tree, tree_config = run.trees.pick(decode_rows(config, rl.batch) // shards)
         speculative = tree is not None
         config = config if tree is None else dataclasses.replace(config, tree=tree_config)
     start = time.perf_counter()
@@ -262,11 +263,12 @@ def finish_rollout(run: Run, job: InFlight):
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
     accepted = stats.mean_accepted_length() if run.mode != "none" else 1.0
-    if run.trees is not None:
-        run.trees.observe(job.tree, accepted)
+    if run.trees is not None and int(stats.iterations):
+        run.trees.observe(job.tree, stats.tokens_per_row_step())
     metrics = {
         "reward": float(all_rewards.mean()),
         "accepted_length": accepted,
+        "busy": stats.busy(),
         "response_length": float(all_lengths.mean()),
         "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,

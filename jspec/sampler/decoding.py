@@ -59,6 +59,7 @@ class RolloutStats(NamedTuple):
     failed [P]: prompts whose results must not be used (a prompt length out of range, or a cache
       overflow, possible only when `rollout` is traced with unknown lengths).
     iterations []: verify steps of the loop, active rows or not (a step costs the same either way).
+    rows []: rows decoded at once.
     """
 
     steps: Int[Array, " p"]
@@ -67,11 +68,22 @@ class RolloutStats(NamedTuple):
     accepted_non_first: Int[Array, " p"]
     failed: Bool[Array, " p"]
     iterations: Int[Array, ""]
+    rows: Int[Array, ""]
 
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
         steps = int(np.sum(self.steps))
         return 1.0 + int(np.sum(self.accepted)) / max(steps, 1)
+
+    def busy(self) -> float:
+        """The share of the rows' steps in which they emitted (a row idles once it is done and no
+        prompt waits for it)."""
+        return int(np.sum(self.steps)) / max(int(self.rows) * int(self.iterations), 1)
+
+    def tokens_per_row_step(self) -> float:
+        """Tokens a row emits per loop step, idle steps counted: what speculation gains per row
+        over plain decoding's at most 1 (mean accepted length x busy)."""
+        return self.mean_accepted_length() * self.busy()
 
     def acceptance_per_depth(self) -> np.ndarray:
         """Fraction of verify steps whose accepted path reached each depth."""
@@ -171,6 +183,13 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
             f"cache of {total} slots, more than model.max_seq_len={target.config.max_seq_len}; "
             "shorten the prompts or max_new_tokens."
         )
+    shards = row_shards(target.mesh)
+    for name in ("rows", "refill_rows"):
+        if getattr(config, name) % shards:
+            raise ConfigError(
+                f"rollout.{name}={getattr(config, name)} does not split over the {shards} "
+                f"shards of the rows (mesh axes data x context); use a multiple of {shards}."
+            )
     if concrete(prompt_lengths):
         n = np.asarray(prompt_lengths)
         bad = np.flatnonzero((n < 1) | (n > t))
@@ -186,12 +205,20 @@ def decode_rows(config: RolloutConfig, prompts: int) -> int:
     return min(config.rows or prompts, prompts)
 
 
-def refill_rows(config: RolloutConfig, rows: int, mesh) -> int:
-    """Prompts a refill prefills together: `config.refill_rows`, or a row in 8 rounded up to the
-    row shards (a refill's rows split as the rows do)."""
-    shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "decode_batch")
-    chunk = config.refill_rows or -(-max(1, rows // 8) // shards) * shards
+def refill_rows(config: RolloutConfig, rows: int, prompts: int, mesh) -> int:
+    """Prompts prefilled together: `config.refill_rows`; else every row at once when no prompt
+    waits for a row, or a row in 8 rounded up to the row shards (a refill's rows split as the rows
+    do)."""
+    shards = row_shards(mesh)
+    chunk = config.refill_rows or (
+        rows if rows == prompts else -(-max(1, rows // 8) // shards) * shards
+    )
     return min(chunk, rows)
+
+
+def row_shards(mesh) -> int:
+    """How many ways a rollout's rows are split: the mesh axes of `decode_batch`."""
+    return 1 if mesh is None else mesh_lib.axis_size(mesh, "decode_batch")
 
 
 def rollout(
@@ -213,7 +240,7 @@ def rollout(
     lengths = jnp.clip(lengths, 1, t)
     embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
     start = functools.partial(_start, target, draft, embed, config, t + m)
-    chunk = refill_rows(config, b, target.mesh)
+    chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     depth = _tree_depth(config.tree) if draft is not None else 0
     zeros = jnp.zeros((p,), jnp.int32)
@@ -224,10 +251,10 @@ def rollout(
         accepted_non_first=zeros,
         failed=failed,
         iterations=jnp.int32(0),
+        rows=jnp.int32(b),
     )
-    empty = jax.eval_shape(start, prompts[:b], lengths[:b], key)
     state = _Loop(
-        rows=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), empty),
+        rows=_empty_rows(target, draft, start, prompts[:b], lengths[:b], t + m),
         prompt=jnp.full((b,), p),
         length=jnp.ones((b,), jnp.int32),
         done=jnp.ones((b,), bool),
@@ -238,8 +265,9 @@ def rollout(
         stats=stats,
         key=key,
     )
-    # The rows' first prompts, a refill at a time: a prefill's activations are of `chunk` rows.
-    state = jax.lax.fori_loop(0, -(-b // chunk), lambda _, s: fill(s), state)
+    # The rows' first prompts, `chunk` rows at a time: a prefill's activations are of that many.
+    first = lambda i, s: fill(s, jnp.minimum(i * chunk + jnp.arange(chunk), b))
+    state = jax.lax.fori_loop(0, -(-b // chunk), first, state)
     step = functools.partial(_verify_step, target, draft, embed, config)
     if b < p:
         step = lambda s, step=step: step(_refill(fill, chunk, s))
@@ -263,33 +291,39 @@ def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, l
     return _Rows(out[1], draft_out, root, _log_at(probs, root))
 
 
+def _empty_rows(target, draft, start, prompts, lengths, max_len: int) -> _Rows:
+    """`_Rows` of nothing yet, shaped as `start` makes them; the caches placed as `init_cache`
+    places them (a loop carry takes its sharding from its first value)."""
+    zeros = jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype),
+        jax.eval_shape(start, prompts, lengths, jax.random.key(0)),
+    )
+    b, slots = prompts.shape[0], cache_slots(max_len, target.config.max_seq_len)
+    draft_out = None if draft is None else zeros.draft._replace(cache=draft.init_cache(b, max_len))
+    return zeros._replace(cache=target.init_cache(b, slots), draft=draft_out)
+
+
 def _refill(fill, chunk: int, s: _Loop) -> _Loop:
-    """`fill` once `chunk` rows are free (or as many as prompts wait)."""
+    """`fill` the first free rows once `chunk` of them are free (or as many as prompts wait): a
+    loop of zero or one trip, which updates the rows in place (a `cond` would copy them)."""
     count = jnp.minimum(chunk, s.tokens.shape[0] - s.queued)
-    return fill(s, ready=(count > 0) & (jnp.sum(s.done) >= count))
+    ready = (count > 0) & (jnp.sum(s.done) >= count)
+    b = s.done.shape[0]
+    free = jnp.argsort(~s.done, stable=True)[:chunk]  # free rows first
+    rows = jnp.where(s.done[free], free, b)
+    return jax.lax.fori_loop(0, ready.astype(jnp.int32), lambda _, s: fill(s, rows), s)
 
 
-def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, ready=True):
-    """Starts the next prompts in rows whose completion has ended (`done`): as many as there are
-    such rows, at most `chunk` and the prompts that wait, in one prefill of `chunk` rows, which
-    runs only if `ready`. (The rows are written either way, none when not ready: under a `cond`
-    the caches would be copied.)"""
+def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, rows) -> _Loop:
+    """Starts the next prompts (as many as wait, at most `chunk`) in `rows` ([chunk]; b: none,
+    after the rows given), in one prefill of `chunk` rows."""
     p, b = prompts.shape[0], s.done.shape[0]
-    key, start_key = jax.random.split(s.key)
-    j = jnp.arange(chunk)
-    count = jnp.minimum(jnp.minimum(chunk, p - s.queued), jnp.sum(s.done))
-    taken = (j < count) & ready
-    row = jnp.where(taken, jnp.argsort(~s.done, stable=True)[:chunk], b)  # free rows first
-    prompt = jnp.where(taken, s.queued + j, p)
+    start_key, key = jax.random.split(s.key)
+    taken = (rows < b) & (jnp.arange(chunk) < p - s.queued)
+    row = jnp.where(taken, rows, b)
+    prompt = jnp.where(taken, s.queued + jnp.arange(chunk), p)
     index = jnp.minimum(prompt, p - 1)
-    args = (prompts[index], lengths[index], start_key)
-    if ready is True:
-        new = start(*args)
-    else:
-        zeros = lambda *a: jax.tree.map(
-            lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(start, *a)
-        )
-        new = jax.lax.cond(ready, start, zeros, *args)
+    new = start(prompts[index], lengths[index], start_key)
     put = lambda old, x: old.at[row].set(x, mode="drop")
     return s._replace(
         rows=jax.tree.map(put, s.rows, new),
@@ -362,6 +396,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
         ),
         failed=s.stats.failed.at[s.prompt].max(cache.overflowed, mode="drop"),
         iterations=s.stats.iterations + 1,
+        rows=s.stats.rows,
     )
     return s._replace(
         rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root), s.rows.logprob),

@@ -1,16 +1,18 @@
 """Which draft tree a speculative step should verify at a batch size: speculation that never loses.
 
-A step that drafts and verifies a tree costs `c` plain decode steps and emits `L` tokens on average
-(its mean accepted length, the root's token included); plain decoding is the tree of no nodes,
-L = c = 1. Speculation pays where L / c > 1. Verification is memory-bound at small batches (c near
-1 whatever the tree) and compute-bound at large ones (c grows with batch x nodes), so the best tree
+A step that drafts and verifies a tree costs `c` plain decode steps and a row emits `L` tokens in it
+on average (its mean accepted length, the root's token included, times the share of steps the row
+is busy: rows finish unevenly, and one with nothing left to do idles); plain decoding is the tree
+of no nodes, c = 1 and L its own busy share (1 when every row works to the end). Speculation pays
+where L / c beats plain decoding's L. Verification is memory-bound at small batches (c near 1
+whatever the tree) and compute-bound at large ones (c grows with batch x nodes), so the best tree
 shrinks as the batch grows, down to a chain or to no tree at all, as FastGRPO found at high
 concurrency. `choose_tree` takes the candidate of largest L / c, plain decoding always among them,
 so by its own measurements the choice is never slower than plain decoding.
 
 The costs are measured per batch size by `launch/bench_rollout.py` (read its JSON with
-`StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; accepted lengths
-come from rollouts (`RolloutStats.mean_accepted_length`), which drift as policy and draft train:
+`StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; tokens per row-step
+come from rollouts (`RolloutStats.tokens_per_row_step`), which drift as policy and draft train:
 `TreeChooser` keeps a running estimate per tree and picks again before every rollout batch.
 """
 
@@ -65,15 +67,16 @@ class StepCosts:
 
 
 def choose_tree(
-    costs: StepCosts, batch: int, accepted: Mapping[str, float]
+    costs: StepCosts, batch: int, accepted: Mapping[str, float], plain: float = 1.0
 ) -> tuple[str | None, float]:
     """(tree, predicted speedup over plain decoding) of the candidate with the largest accepted
     length over cost at `batch`; (None, 1.0), plain decoding, when no tree beats it.
 
-    `accepted`: mean accepted length of each candidate tree (trees without one are not candidates).
+    `accepted`: tokens a row emits per step with each candidate tree (mean accepted length x
+    busy; trees without one are not candidates); `plain`: those of plain decoding (its busy).
     """
     tree, gain = best_tree(costs, batch, accepted)
-    return (tree, gain) if gain > 1.0 else (None, 1.0)
+    return (tree, gain / plain) if gain > plain else (None, 1.0)
 
 
 def best_tree(
@@ -89,19 +92,21 @@ def best_tree(
 
 
 class TreeChooser:
-    """The tree of each rollout batch: `choose_tree` on measured costs and running accepted lengths.
+    """The tree of each rollout batch: `choose_tree` on measured costs and running tokens per
+    row-step.
 
-    A tree's estimate starts at its accepted length in the bench (its prior) and moves towards
-    what the rollouts that use it measure (an exponential average, weight `decay` on the past).
-    Only the tree in use is measured, so while plain decoding is chosen the estimates stand still:
-    every `probe_every`-th pick then takes the best tree anyway, to measure it again.
+    A tree's estimate starts at its tokens per row-step in the bench (its prior; plain decoding's,
+    its busy share, under None, 1 if absent) and moves towards what the rollouts that use it
+    measure (an exponential average, weight `decay` on the past). Only the tree in use is
+    measured, so while plain decoding is chosen the trees' estimates stand still: every
+    `probe_every`-th pick then takes the best tree anyway, to measure it again.
     """
 
     def __init__(
         self,
         costs: StepCosts,
         trees: Mapping[str, TreeConfig],
-        prior: Mapping[str, float],
+        prior: Mapping[str | None, float],
         *,
         decay: float = 0.8,
         probe_every: int = 20,
@@ -113,12 +118,14 @@ class TreeChooser:
         self.costs, self.trees = costs, dict(trees)
         self.decay, self.probe_every = decay, probe_every
         self.estimate = {name: float(prior[name]) for name in trees}
+        self.plain = float(prior.get(None, 1.0))  # plain decoding's tokens per row-step
         self._plain_picks = 0
 
     @classmethod
     def from_bench(cls, path: str | pathlib.Path, **kw) -> TreeChooser:
-        """Costs, trees and priors (mean accepted length over the batch sizes) from a JSON of
-        `launch/bench_rollout.py` that timed speculative steps."""
+        """Costs, trees and priors (accepted length x busy, the mean over the batch sizes; plain
+        decoding's busy under None) from a JSON of `launch/bench_rollout.py` that timed
+        speculative steps."""
         if not pathlib.Path(path).is_file():
             raise ConfigError(
                 f"rl.tree_costs={str(path)!r} is not a file: write one with `python -m "
@@ -137,13 +144,15 @@ class TreeChooser:
         for r in data["rows"]:
             if missing := set(trees) - set(r["speculative"]):
                 raise ConfigError(f"{path}: batch {r['batch']} has no step of {sorted(missing)}.")
-        prior = {t: float(np.mean([r["speculative"][t]["accepted_length"] for r in data["rows"]]))
+        per_row_step = lambda x: x["accepted_length"] * x.get("busy", 1.0)
+        prior = {t: float(np.mean([per_row_step(r["speculative"][t]) for r in data["rows"]]))
                  for t in trees}  # fmt: skip
+        prior[None] = float(np.mean([r.get("busy", 1.0) for r in data["rows"]]))
         return cls(StepCosts.from_rows(data["rows"]), trees, prior, **kw)
 
     def pick(self, batch: int) -> tuple[str | None, TreeConfig | None]:
         """(name, tree) for a batch of `batch` rows; (None, None): plain decoding."""
-        name, _ = choose_tree(self.costs, batch, self.estimate)
+        name, _ = choose_tree(self.costs, batch, self.estimate, self.plain)
         if name is None:
             self._plain_picks += 1
             if self._plain_picks % self.probe_every:
@@ -151,8 +160,11 @@ class TreeChooser:
             name, _ = best_tree(self.costs, batch, self.estimate)
         return name, self.trees[name]
 
-    def observe(self, name: str | None, accepted_length: float) -> None:
-        """The mean accepted length the rollouts of tree `name` measured (None: plain, ignored)."""
-        if name is not None:
-            old = self.estimate[name]
-            self.estimate[name] = self.decay * old + (1 - self.decay) * accepted_length
+    def observe(self, name: str | None, tokens_per_row_step: float) -> None:
+        """The tokens per row-step the rollouts of tree `name` (None: plain decoding) measured."""
+        old = self.plain if name is None else self.estimate[name]
+        new = self.decay * old + (1 - self.decay) * tokens_per_row_step
+        if name is None:
+            self.plain = new
+        else:
+            self.estimate[name] = new

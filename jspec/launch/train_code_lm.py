@@ -11,6 +11,8 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      loss of `jspec.rl.draft_loss` (the training-time test),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
+Each stage checkpoints every `--save-every` steps: a run that dies resumes from the newest
+checkpoint of the stage it was in (a finished stage is loaded, not trained again).
 `python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
 
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jspec import config as config_lib
@@ -63,6 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--draft-learning-rate", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=200,
+        help="steps between checkpoints of a stage in training (a run that dies resumes there)",
+    )
     return p.parse_args(argv)
 
 
@@ -95,6 +104,11 @@ def split(files, heldout: int) -> tuple[list[str], list[str]]:
     out = ([], [])
     for path, text in files:
         out[zlib.crc32(path.encode()) % heldout == 0].append(text)
+    if not all(out):
+        raise ConfigError(
+            f"{len(files)} files give {len(out[0])} training and {len(out[1])} held-out files "
+            f"(one in --heldout={heldout}); raise --max-bytes or name more --roots."
+        )
     return out
 
 
@@ -162,9 +176,42 @@ def adamw(learning_rate: float, steps: int):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
-def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, teacher=None):
+class StepSaves:
+    """Checkpoints of a stage in training (parameters, optimizer state, steps done) every `every`
+    steps in `directory`, the newest kept: batch i is the same in every run, so a run resumed
+    from step n continues as the run that died would have."""
+
+    def __init__(self, directory: pathlib.Path, every: int):
+        self.directory, self.every = directory.resolve(), every
+        options = ocp.CheckpointManagerOptions(max_to_keep=1)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, params, opt_state) -> None:
+        state = dict(params=params, opt_state=opt_state)
+        self.manager.save(step, args=ocp.args.StandardSave(state))
+
+    def restore(self, params, opt_state):
+        """(params, opt_state, steps done) of the newest checkpoint, placed like the arguments;
+        None when there is none."""
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        template = dict(params=params, opt_state=opt_state)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        return state["params"], state["opt_state"], step
+
+    def remove(self) -> None:
+        """Drops the checkpoints once the stage is saved whole."""
+        self.manager.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, teacher=None,
+        saves: StepSaves | None = None):  # fmt: skip
     """Trains the Params of `module` on `loss_fn(module, teacher, batch) -> (loss, metric)`, the
-    teacher (a module, or None) frozen; returns the trained module."""
+    teacher (a module, or None) frozen, from the newest of `saves` if any; returns the trained
+    module."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     teacher_def, teacher_state = nnx.split(teacher)
     opt = adamw(learning_rate, steps)
@@ -177,12 +224,17 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, t
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metric
 
-    opt_state, start = opt.init(params), time.perf_counter()
-    for i in range(steps):
+    opt_state, done, start = opt.init(params), 0, time.perf_counter()
+    if saves is not None and (restored := saves.restore(params, opt_state)) is not None:
+        params, opt_state, done = restored
+        print(f"{name}: resumed after step {done} from {saves.directory}", flush=True)
+    for i in range(done, steps):
         params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
         if i % max(steps // 20, 1) == 0 or i == steps - 1:
             print(f"{name} step {i:5d}  loss {float(loss):.4f}  {float(metric):.4f}  "
                   f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
+        if saves is not None and (i + 1) % saves.every == 0 and i + 1 < steps:
+            saves.save(i + 1, params, opt_state)
     return nnx.merge(graphdef, params, rest)
 
 
@@ -233,19 +285,22 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stage(path: pathlib.Path, module, train, save, load):
-    """`module` with the weights of a finished stage at `path` (`load(path)`: a module), so that a
-    run that died resumes after its last finished stage; else `train()`, saved whole to `path` by
-    `save` (through a temporary folder, so a partial save is never read)."""
+def stage(path: pathlib.Path, module, train, save, load, every: int):
+    """`module` with the weights of a finished stage at `path` (`load(path)`: a module); else
+    `train(saves)`, which checkpoints every `every` steps in `path`.steps (a run that died resumes
+    from the newest), saved whole to `path` by `save` (through a temporary folder, so a partial
+    save is never read)."""
     if path.is_dir():
         nnx.update(module, nnx.state(load(path), nnx.Param))
         print(f"{path.name}: the finished stage at {path}", flush=True)
         return module
-    module = train()
+    saves = StepSaves(path.with_name(path.name + ".steps"), every)
+    module = train(saves)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     save(partial, module)
     partial.rename(path)
+    saves.remove()
     return module
 
 
@@ -277,16 +332,17 @@ def main(argv=None):
           "parameters", flush=True)  # fmt: skip
     target = stage(
         run / "target", target,
-        lambda: fit(target, target_loss, batches, args.steps, args.learning_rate, "target"),
-        hf.save, hf.load,
+        lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate, "target",
+                          saves=saves),
+        hf.save, hf.load, args.save_every,
     )  # fmt: skip
     print(f"target trained {at()}", flush=True)
     draft = create_eagle3(Eagle3Config.for_target(cfg))
     draft = stage(
         run / "draft", draft,
-        lambda: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                    args.draft_learning_rate, "draft", teacher=target),
-        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0],
+        lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
+                          args.draft_learning_rate, "draft", teacher=target, saves=saves),
+        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0], args.save_every,
     )  # fmt: skip
     print(f"draft trained {at()}", flush=True)
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)

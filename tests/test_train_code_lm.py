@@ -1,0 +1,53 @@
+"""`launch/train_code_lm.py` at toy size: a run that dies in the middle of a stage resumes from its
+newest step checkpoint and ends where the uninterrupted run ends."""
+
+import jax
+import numpy as np
+import pytest
+
+from jspec.launch import train_code_lm
+from jspec.models import hf_eagle3
+
+ARGS = [
+    "--config", "tiny", "model.vocab_size=512", "--steps", "4", "--draft-steps", "4",
+    "--batch", "2", "--seq-len", "64", "--max-bytes", "1000000", "--eval-batches", "1",
+    "--save-every", "2", "--heldout", "4",
+]  # fmt: skip
+
+
+class Died(Exception):
+    pass
+
+
+def test_a_run_that_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train_code_lm.main([*ARGS, "--run-dir", str(whole)])
+
+    sampler, calls = train_code_lm.sampler, []
+
+    def counting_sampler(*args, **kw):
+        """The script's sampler; `calls` logs the batches asked for, and the 8th dies."""
+        batches = sampler(*args, **kw)
+
+        def batch(i):
+            calls.append(i)
+            if len(calls) == 8 and die:  # the draft's step 3 (the target took batches 0..3)
+                raise Died
+            return batches(i)
+
+        return batch
+
+    monkeypatch.setattr(train_code_lm, "sampler", counting_sampler)
+    die = True
+    with pytest.raises(Died):
+        train_code_lm.main([*ARGS, "--run-dir", str(killed)])
+    assert (killed / "target").is_dir() and (killed / "draft.steps").is_dir()
+    die, calls[:] = False, []
+    train_code_lm.main([*ARGS, "--run-dir", str(killed)])
+    assert calls[:2] == [2, 3], calls  # the target loaded, the draft resumed after its step 2
+    assert "draft: resumed after step 2" in capsys.readouterr().out
+    assert not (killed / "draft.steps").exists()
+
+    load = lambda run: jax.tree.leaves(hf_eagle3.load(run / "draft")[0])
+    for a, b in zip(load(whole), load(killed), strict=True):
+        np.testing.assert_array_equal(a, b)

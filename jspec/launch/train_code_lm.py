@@ -11,8 +11,8 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      loss of `jspec.rl.draft_loss` (the training-time test),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
-Each stage checkpoints every `--save-every` steps: a run that dies resumes from the newest
-checkpoint of the stage it was in (a finished stage is loaded, not trained again).
+Each stage checkpoints every `--save-minutes`: a run that dies resumes from the newest checkpoint
+of the stage it was in (a finished stage is loaded, not trained again).
 `python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
 
@@ -67,10 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument(
-        "--save-every",
-        type=int,
-        default=200,
-        help="steps between checkpoints of a stage in training (a run that dies resumes there)",
+        "--save-minutes",
+        type=float,
+        default=4.0,
+        help="minutes between checkpoints of a stage in training (a run that dies resumes from "
+        "the newest; a save of the 1.4B target and its optimizer state writes about 17 GB)",
     )
     return p.parse_args(argv)
 
@@ -177,18 +178,23 @@ def adamw(learning_rate: float, steps: int):
 
 
 class StepSaves:
-    """Checkpoints of a stage in training (parameters, optimizer state, steps done) every `every`
-    steps in `directory`, the newest kept: batch i is the same in every run, so a run resumed
-    from step n continues as the run that died would have."""
+    """Checkpoints of a stage in training (parameters, optimizer state, steps done) in
+    `directory`, one every `minutes`, the newest kept: batch i is the same in every run, so a run
+    resumed after step n continues as the run that died would have."""
 
-    def __init__(self, directory: pathlib.Path, every: int):
-        self.directory, self.every = directory.resolve(), every
+    def __init__(self, directory: pathlib.Path, minutes: float):
+        self.directory, self.seconds = directory.resolve(), 60 * minutes
         options = ocp.CheckpointManagerOptions(max_to_keep=1)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.last = time.perf_counter()
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.last >= self.seconds
 
     def save(self, step: int, params, opt_state) -> None:
         state = dict(params=params, opt_state=opt_state)
         self.manager.save(step, args=ocp.args.StandardSave(state))
+        self.last = time.perf_counter()
 
     def restore(self, params, opt_state):
         """(params, opt_state, steps done) of the newest checkpoint, placed like the arguments;
@@ -233,7 +239,7 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, t
         if i % max(steps // 20, 1) == 0 or i == steps - 1:
             print(f"{name} step {i:5d}  loss {float(loss):.4f}  {float(metric):.4f}  "
                   f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
-        if saves is not None and (i + 1) % saves.every == 0 and i + 1 < steps:
+        if saves is not None and i + 1 < steps and saves.due():
             saves.save(i + 1, params, opt_state)
     return nnx.merge(graphdef, params, rest)
 
@@ -285,16 +291,16 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stage(path: pathlib.Path, module, train, save, load, every: int):
+def stage(path: pathlib.Path, module, train, save, load, minutes: float):
     """`module` with the weights of a finished stage at `path` (`load(path)`: a module); else
-    `train(saves)`, which checkpoints every `every` steps in `path`.steps (a run that died resumes
+    `train(saves)`, which checkpoints every `minutes` in `path`.steps (a run that died resumes
     from the newest), saved whole to `path` by `save` (through a temporary folder, so a partial
     save is never read)."""
     if path.is_dir():
         nnx.update(module, nnx.state(load(path), nnx.Param))
         print(f"{path.name}: the finished stage at {path}", flush=True)
         return module
-    saves = StepSaves(path.with_name(path.name + ".steps"), every)
+    saves = StepSaves(path.with_name(path.name + ".steps"), minutes)
     module = train(saves)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -334,7 +340,7 @@ def main(argv=None):
         run / "target", target,
         lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate, "target",
                           saves=saves),
-        hf.save, hf.load, args.save_every,
+        hf.save, hf.load, args.save_minutes,
     )  # fmt: skip
     print(f"target trained {at()}", flush=True)
     draft = create_eagle3(Eagle3Config.for_target(cfg))
@@ -342,7 +348,7 @@ def main(argv=None):
         run / "draft", draft,
         lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
                           args.draft_learning_rate, "draft", teacher=target, saves=saves),
-        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0], args.save_every,
+        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0], args.save_minutes,
     )  # fmt: skip
     print(f"draft trained {at()}", flush=True)
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)

@@ -137,8 +137,7 @@ def test_rollout_on_the_training_mesh_matches_one_device(setup, rows):
         generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
 
 
-@pytest.mark.parametrize("rows, refill", [(2, 1), (3, 2)])
-@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+@pytest.mark.parametrize("kind, rows, refill", [("plain", 2, 1), ("eagle3", 3, 2)])
 def test_rows_that_finish_take_the_next_prompt(setup, kind, rows, refill):
     """Fewer rows than prompts (continuous batching) give each prompt the completion, the
     log-probabilities and the steps it gets when every prompt has a row, in fewer loop steps

@@ -286,8 +286,8 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     """`run(count)`: `count` proposals of `tree` by the draft from one prefilled root, in a jitted
     loop, as `generate` drafts (the root's logits move with the loop, so nothing is hoisted): a
     partial of the jitted loop."""
-    config = RolloutConfig(max_new_tokens=args.new_tokens, temperature=args.temperature, tree=tree)
     b = prompts.shape[0]
+    config = rollout_config(tree, args.new_tokens, b, args)
 
     @jax.jit
     def run(model, draft, count):
@@ -378,7 +378,7 @@ def hlo_instructions(path: str, mtime: float) -> dict[str, str]:
 def generate_kernels(model, draft, tree, prompts, name: str, args) -> list:
     """`loop_kernels` of a step of the `generate` loop (plain decoding when `draft` is None)."""
     lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    config = lambda m: RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree)
+    config = lambda m: rollout_config(tree, m, prompts.shape[0], args)
     run = lambda m: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
     steps = int(run(args.new_tokens).stats.iterations)
     log_dir = f"{args.profile}/batch{prompts.shape[0]}-{name}"

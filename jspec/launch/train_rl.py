@@ -56,7 +56,7 @@ from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
-from jspec.sampler.decoding import decode_rows
+from jspec.sampler.decoding import decode_rows, row_shards
 from jspec.sampler.tree_choice import TreeChooser
 
 
@@ -237,7 +237,7 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
     config, tree, speculative = run.cfg.rollout, None, True
     if run.trees is not None:  # the bench timed one device: its batch is the rows per device
-        shards = mesh_lib.axis_size(run.rollout_mesh or run.mesh, "decode_batch")
+        shards = row_shards(run.rollout_mesh or run.mesh)
         tree, tree_config = run.trees.pick(decode_rows(config, rl.batch) // shards)
         speculative = tree is not None
         config = config if tree is None else dataclasses.replace(config, tree=tree_config)

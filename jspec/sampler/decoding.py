@@ -101,13 +101,12 @@ class Rollout(NamedTuple):
 
 
 class _Rows(NamedTuple):
-    """Rows just prefilled: both caches, the draft at the root, the root (the first token sampled,
-    not yet in the cache) and its log-probability."""
+    """The rows' decoding state: both caches, the draft at the root, and the root (the last token
+    emitted, not yet in the cache)."""
 
     cache: Any
     draft: DraftOut | None
     root: Int[Array, " b"]
-    logprob: Float[Array, " b"]
 
 
 class _Loop(NamedTuple):
@@ -276,7 +275,8 @@ def rollout(
 
 
 def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, lengths, key):
-    """`_Rows` of prompts: both caches prefilled (for `max_len` tokens) and the root sampled."""
+    """(`_Rows` of prompts, the roots' log-probabilities): both caches prefilled (for `max_len`
+    tokens) and the root sampled."""
     b = prompts.shape[0]
     uses_taps = draft is not None and draft.uses_taps
     slots = cache_slots(max_len, target.config.max_seq_len)
@@ -288,7 +288,7 @@ def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, l
         features = out[2] if uses_taps else None
         draft_cache = draft.init_cache(b, max_len)
         draft_out = draft.prefill(embed, prompts, lengths, root, features, draft_cache)
-    return _Rows(out[1], draft_out, root, _log_at(probs, root))
+    return _Rows(out[1], draft_out, root), _log_at(probs, root)
 
 
 def _empty_rows(target, draft, start, prompts, lengths, max_len: int) -> _Rows:
@@ -296,7 +296,7 @@ def _empty_rows(target, draft, start, prompts, lengths, max_len: int) -> _Rows:
     places them (a loop carry takes its sharding from its first value)."""
     zeros = jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype),
-        jax.eval_shape(start, prompts, lengths, jax.random.key(0)),
+        jax.eval_shape(start, prompts, lengths, jax.random.key(0))[0],
     )
     b, slots = prompts.shape[0], cache_slots(max_len, target.config.max_seq_len)
     draft_out = None if draft is None else zeros.draft._replace(cache=draft.init_cache(b, max_len))
@@ -308,10 +308,12 @@ def _refill(fill, chunk: int, s: _Loop) -> _Loop:
     loop of zero or one trip, which updates the rows in place (a `cond` would copy them)."""
     count = jnp.minimum(chunk, s.tokens.shape[0] - s.queued)
     ready = (count > 0) & (jnp.sum(s.done) >= count)
-    b = s.done.shape[0]
-    free = jnp.argsort(~s.done, stable=True)[:chunk]  # free rows first
-    rows = jnp.where(s.done[free], free, b)
-    return jax.lax.fori_loop(0, ready.astype(jnp.int32), lambda _, s: fill(s, rows), s)
+
+    def fill_free(_, s: _Loop) -> _Loop:
+        free = jnp.argsort(~s.done, stable=True)[:chunk]  # free rows first
+        return fill(s, jnp.where(s.done[free], free, s.done.shape[0]))
+
+    return jax.lax.fori_loop(0, ready.astype(jnp.int32), fill_free, s)
 
 
 def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, rows) -> _Loop:
@@ -323,7 +325,7 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     row = jnp.where(taken, rows, b)
     prompt = jnp.where(taken, s.queued + jnp.arange(chunk), p)
     index = jnp.minimum(prompt, p - 1)
-    new = start(prompts[index], lengths[index], start_key)
+    new, logprob = start(prompts[index], lengths[index], start_key)
     put = lambda old, x: old.at[row].set(x, mode="drop")
     return s._replace(
         rows=jax.tree.map(put, s.rows, new),
@@ -332,7 +334,7 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
         done=put(s.done, _stops(new.root, config) | (config.max_new_tokens == 1)),
         queued=s.queued + jnp.sum(taken),
         tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
-        logprobs=s.logprobs.at[prompt, 0].set(new.logprob, mode="drop"),
+        logprobs=s.logprobs.at[prompt, 0].set(logprob, mode="drop"),
         key=key,
     )
 
@@ -399,7 +401,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
         rows=s.stats.rows,
     )
     return s._replace(
-        rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root), s.rows.logprob),
+        rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root)),
         length=length,
         done=s.done | emitted_eos | (length >= m),
         tokens=tokens,

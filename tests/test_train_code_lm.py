@@ -1,17 +1,19 @@
-"""`launch/train_code_lm.py` at toy size: a run that dies in the middle of a stage resumes from its
-newest step checkpoint and ends where the uninterrupted run ends."""
+"""`launch/train_code_lm.py` at toy size, its batch split over two devices: a run that dies in the
+middle of a stage resumes from its newest step checkpoint and ends where the uninterrupted run
+ends."""
 
 import jax
 import numpy as np
 import pytest
 
+from jspec.config import ConfigError
 from jspec.launch import train_code_lm
 from jspec.models import hf_eagle3
 
 ARGS = [
     "--config", "tiny", "model.vocab_size=512", "--steps", "4", "--draft-steps", "4",
     "--batch", "2", "--seq-len", "64", "--max-bytes", "1000000", "--eval-batches", "1",
-    "--save-minutes", "0", "--heldout", "4",
+    "--save-minutes", "0", "--heldout", "4", "--data-parallel", "2",
 ]  # fmt: skip
 
 
@@ -51,3 +53,9 @@ def test_a_run_that_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatc
     load = lambda run: jax.tree.leaves(hf_eagle3.load(run / "draft")[0])
     for a, b in zip(load(whole), load(killed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"--data-parallel=3 .* --batch=2"):
+        train_code_lm.main([*ARGS, "--data-parallel", "3", "--run-dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())  # nothing read or written before the error

@@ -11,7 +11,8 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      loss of `jspec.rl.draft_loss` (the training-time test),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
-Each stage checkpoints every `--save-minutes`: a run that dies resumes from the newest checkpoint
+Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
+stage checkpoints every `--save-minutes`: a run that dies resumes from the newest checkpoint
 of the stage it was in (a finished stage is loaded, not trained again).
 `python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
@@ -39,9 +40,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import config as config_lib
-from jspec.config import ConfigError
+from jspec import mesh as mesh_lib
+from jspec.config import ConfigError, MeshConfig
 from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.draft_loss import draft_loss
@@ -60,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--heldout", type=int, default=20, help="one file in N is held out")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=0,
+        help="devices the batch is split over (0: every device); --batch must be a multiple",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument("--draft-steps", type=int, default=300)
@@ -145,16 +154,17 @@ def token_stream(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([np.asarray(x, np.int32) for x in ids]), doc
 
 
-def rows(stream, doc, starts: np.ndarray, t: int) -> dict[str, jax.Array]:
-    """Packed rows of t ids from `starts`: segment ids number the files of a row from 1,
-    positions restart at each file's first id in the row."""
+def rows(stream, doc, starts: np.ndarray, t: int, mesh) -> dict[str, jax.Array]:
+    """Packed rows of t ids from `starts`, split over `mesh`'s data axis: segment ids number the
+    files of a row from 1, positions restart at each file's first id in the row."""
     idx = starts[:, None] + np.arange(t)
     d = doc[idx]
     seg = d - d[:, :1] + 1
     first = np.maximum.accumulate(np.where(np.diff(d, prepend=-1, axis=1) != 0, np.arange(t), 0),
                                   axis=1)  # fmt: skip
     batch = dict(tokens=stream[idx], segment_ids=seg, positions=np.arange(t) - first)
-    return {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    placed = mesh_lib.sharding(mesh, ("batch", None))
+    return {k: jax.device_put(v.astype(np.int32), placed) for k, v in batch.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,11 +223,11 @@ class StepSaves:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, teacher=None,
-        saves: StepSaves | None = None):  # fmt: skip
-    """Trains the Params of `module` on `loss_fn(module, teacher, batch) -> (loss, metric)`, the
-    teacher (a module, or None) frozen, from the newest of `saves` if any; returns the trained
-    module."""
+def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, mesh,
+        teacher=None, saves: StepSaves | None = None):  # fmt: skip
+    """Trains the Params of `module` on `loss_fn(module, teacher, batch) -> (loss, metric)` over
+    the data-parallel `mesh`, the teacher (a module, or None) frozen, from the newest of `saves` if
+    any; returns the trained module."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     teacher_def, teacher_state = nnx.split(teacher)
     opt = adamw(learning_rate, steps)
@@ -230,7 +240,10 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, t
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metric
 
-    opt_state, done, start = opt.init(params), 0, time.perf_counter()
+    # replicated, as the parameters are on the data-parallel mesh (the step count too, else born
+    # on one device, and so restored there)
+    opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, PartitionSpec()))
+    done, start = 0, time.perf_counter()
     if saves is not None and (restored := saves.restore(params, opt_state)) is not None:
         params, opt_state, done = restored
         print(f"{name}: resumed after step {done} from {saves.directory}", flush=True)
@@ -310,12 +323,24 @@ def stage(path: pathlib.Path, module, train, save, load, minutes: float):
     return module
 
 
-def sampler(stream, doc, t: int, batch: int, seed: int):
+def sampler(stream, doc, t: int, batch: int, seed: int, mesh):
     """batches(i): `batch` rows of t ids from random starts, the same for the same i."""
     high = len(stream) - t
     if high <= 0:
         raise ConfigError(f"the corpus holds {len(stream)} tokens, fewer than --seq-len={t}.")
-    return lambda i: rows(stream, doc, np.random.default_rng([seed, i]).integers(0, high, batch), t)
+    starts = lambda i: np.random.default_rng([seed, i]).integers(0, high, batch)
+    return lambda i: rows(stream, doc, starts(i), t, mesh)
+
+
+def data_mesh(devices: int, batch: int):
+    """The mesh whose data axis splits the batch over `devices` (0: every device)."""
+    n = devices or jax.device_count()
+    if not 1 <= n <= jax.device_count() or batch % n:
+        raise ConfigError(
+            f"--data-parallel={devices} gives {n} devices of the {jax.device_count()} present, "
+            f"which must split --batch={batch} evenly; pass a device count that divides the batch."
+        )
+    return mesh_lib.make_mesh(MeshConfig(data=n), jax.devices()[:n])
 
 
 def main(argv=None):
@@ -323,6 +348,7 @@ def main(argv=None):
     start = time.perf_counter()
     at = lambda: f"[{time.perf_counter() - start:.0f} s into the run]"
     cfg = config_lib.load(args.config, args.overrides).model
+    mesh = data_mesh(args.data_parallel, args.batch)
     run = pathlib.Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
@@ -332,26 +358,26 @@ def main(argv=None):
     print(f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
           f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
           f"{bytes_per_token:.2f} bytes a token) {at()}", flush=True)  # fmt: skip
-    batches = sampler(*train, args.seq_len, args.batch, seed=0)
-    target = create(cfg)
+    batches = sampler(*train, args.seq_len, args.batch, seed=0, mesh=mesh)
+    target = create(cfg, mesh=mesh)
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
           "parameters", flush=True)  # fmt: skip
     target = stage(
         run / "target", target,
         lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate, "target",
-                          saves=saves),
-        hf.save, hf.load, args.save_minutes,
+                          mesh, saves=saves),
+        hf.save, lambda path: hf.load(path, mesh), args.save_minutes,
     )  # fmt: skip
     print(f"target trained {at()}", flush=True)
-    draft = create_eagle3(Eagle3Config.for_target(cfg))
+    draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
     draft = stage(
         run / "draft", draft,
         lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                          args.draft_learning_rate, "draft", teacher=target, saves=saves),
-        hf_eagle3.save, lambda path: hf_eagle3.load(path)[0], args.save_minutes,
+                          args.draft_learning_rate, "draft", mesh, teacher=target, saves=saves),
+        hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0], args.save_minutes,
     )  # fmt: skip
     print(f"draft trained {at()}", flush=True)
-    heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1)
+    heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
                       bytes_per_token)  # fmt: skip
     report.update(args=vars(args), config=args.config, eos_token=EOS)

@@ -1,5 +1,6 @@
 """The measuring parts of `launch/bench_rollout.py` that need no model: which prompts each batch
-runs (a queue of distinct prompts), and the naming of profiled kernels from an XLA dump."""
+runs (a queue of distinct prompts), the speedup the costs predict, and the naming of profiled
+kernels from an XLA dump."""
 
 import argparse
 
@@ -26,6 +27,16 @@ def test_each_batch_runs_a_queue_of_distinct_prompts_in_turn():
     wide = bench_rollout.queue(rows, 64, ARGS)  # --prompts-per-row: the distinct ones repeat
     assert wide.shape == (256, 3) and wide[:, 0].tolist() == [i % 20 for i in range(256)]
     assert bench_rollout.prompt_count(argparse.Namespace(**vars(ARGS), batches=[1, 8])) == 32
+
+
+def test_the_predicted_speedup_counts_the_loop_work_both_loops_pay():
+    rate = lambda step, accepted, busy: bench_rollout.LoopRate(step, 0.0, accepted, busy)
+    plain = rate(step=2.0, accepted=1.0, busy=1.0)  # a 1.5 forward and 0.5 of the loop's work
+    spec = rate(step=3.0, accepted=3.0, busy=0.8)  # verify + proposal 2.5, the same loop work
+    # 3 x 0.8 tokens per 3.0 against 1 per 2.0: measured and predicted agree when costs add up
+    assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=1.5), 1.6)
+    # with no loop work (the bare forward is the plain step) the prediction is the cost curve's
+    assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=2.0), 2.4 / 1.25)
 
 
 def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):

@@ -6,8 +6,9 @@ tree against one decode step, per batch size, and the cost of a whole speculativ
         --prompt-len 64 --new-tokens 16                                       # a smoke test
 
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
-greedy tokens with no draft (its verify step holds only the root, so a step is one decode); the
-decode step time is (time of M tokens - time of 1 token) / (M - 1), which removes the prefill. The
+greedy tokens with no draft (its verify step holds only the root, so a step is one decode) over a
+queue of `--prompts-per-row` prompts a row; the decode step time is (time of M tokens - time of 1
+token) / their difference in loop steps, which removes the prefills. The
 cost curve runs the target's branch forward over a chain of N nodes against the same cache in a
 jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
 memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
@@ -18,7 +19,8 @@ Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names
 draft written by `jspec.launch.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
 of `generate`, over `--acceptance-rows` distinct prompts: a small batch runs several batches of
-them) and the speedup the verify cost curve predicts. Prints a table and writes JSON.
+them) and the speedup predicted from the verify cost curve, the draft's proposal and the loop's
+own work (plain decoding's step less its forward). Prints a table and writes JSON.
 
 `--profile DIR` adds tables of the GPU kernels of one step of the plain, speculative and verify
 loops (two loop lengths traced, their difference kept, so the prefill drops out); run under
@@ -227,26 +229,34 @@ def tree_nodes(tree: TreeConfig) -> int:
 
 def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dict, args) -> dict:
     """Per tree of `drafts` (its `draft_loop`): the step's cost in plain decode steps, the accepted
-    length, the measured speedup in tokens/s over plain decoding and the one the costs predict:
-    accepted length (times the share of rows still busy) over the cost of verifying the tree's
-    nodes (the cost curve) plus the draft's proposal of the tree."""
+    length, the measured speedup in tokens/s over plain decoding and the one the costs predict
+    (`predicted_speedup`)."""
     out = {}
     for name, run in drafts.items():
         tree = TREES[name]
         spec = loop_rate(model, draft, tree, prompts, rows, args)
         drafting = loop_seconds(run, args.iters)
-        predicted_step = curve[tree_nodes(tree)] + drafting
         out[name] = dict(
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
             accepted_length=spec.accepted,
             busy=spec.busy,
             speedup=spec.tokens_per_s / plain.tokens_per_s,
-            predicted_speedup=(spec.accepted * spec.busy / predicted_step)
-            / (plain.busy / plain.step),
+            predicted_speedup=predicted_speedup(
+                spec, plain, curve[tree_nodes(tree)] + drafting, curve[1]
+            ),
         )
         log(f"batch {rows}: {name} timed")
     return out
+
+
+def predicted_speedup(spec: LoopRate, plain: LoopRate, proposal_and_verify, forward) -> float:
+    """The speedup the costs predict: tokens per row-step (accepted length x busy) over the step,
+    against plain decoding's. The speculative step is the draft's proposal and the verify forward
+    (`proposal_and_verify`, from their own loops) plus the loop's own work (sampling, writes, the
+    loop's control), which both loops pay: plain decoding's step less its bare `forward`."""
+    step = proposal_and_verify + plain.step - forward
+    return (spec.accepted * spec.busy / step) / (plain.busy / plain.step)
 
 
 def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
@@ -428,7 +438,7 @@ def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
     cfg, prompts = model.config, queue[:batch]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
     trees = {} if args.no_spec else TREES
-    sizes = {*args.tree_sizes, *map(tree_nodes, trees.values())}
+    sizes = {1, *args.tree_sizes, *map(tree_nodes, trees.values())}
     slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
     loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
     drafts = {

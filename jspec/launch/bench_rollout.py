@@ -12,9 +12,9 @@ token) / their difference in loop steps, which removes the prefills. The
 cost curve runs the target's branch forward over a chain of N nodes against the same cache in a
 jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
 memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
-4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing `TREES`, verify, cache
-updates) is timed the same way and reported in decode steps: the accepted length at which it
-breaks even.
+4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing each of `--trees`, verify,
+cache updates) is timed the same way and reported in decode steps: the accepted length at which
+it breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
 draft written by `jspec.launch.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
@@ -71,6 +71,14 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--tree-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--no-spec", action="store_true", help="skip the speculative steps")
+    p.add_argument(
+        "--trees",
+        nargs="+",
+        choices=list(TREES),
+        default=list(DEFAULT_TREES),
+        metavar="NAME",
+        help=f"the draft trees timed, of {', '.join(map(repr, TREES))}",
+    )
     p.add_argument(
         "--draft-vocab",
         type=int,
@@ -132,10 +140,18 @@ def parse_args(argv=None):
 
 # Trees of the speculative steps timed: a step's cost in decode steps is the accepted length at
 # which speculation breaks even.
-TREES = {
+TREES = {  # the trees `--trees` may name
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
+    "chain 6": TreeConfig(kind="chain", depth=6, sampled=False),
     "dynamic 8 (SGLang)": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
+    "dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16),
 }
+DEFAULT_TREES = ("chain 4", "dynamic 8 (SGLang)")
+
+
+def timed_trees(args) -> dict[str, TreeConfig]:
+    """The trees this run times: `--trees`, none with `--no-spec`."""
+    return {} if args.no_spec else {name: TREES[name] for name in args.trees}
 
 
 # Other rollout attention the plain step can be timed with (`--compare`): `attention_setting` args.
@@ -206,7 +222,7 @@ def warm_up(model, draft, prompts, rows: int, loops: list, args) -> None:
     backends of `--compare` are compiled where they are timed.)"""
     key, lengths = jax.random.key(0), jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
     config = lambda tree, m: rollout_config(tree, m, rows, args)
-    runs = [(None, TreeConfig()), *(() if args.no_spec else ((draft, t) for t in TREES.values()))]
+    runs = [(None, TreeConfig()), *((draft, t) for t in timed_trees(args).values())]
     jobs = [
         functools.partial(compile_generate, model, d, prompts, lengths, key, config(tree, m))
         for d, tree in runs
@@ -400,7 +416,7 @@ def profile_kernels(model, draft, prompts, loops: dict, drafts: dict, args) -> d
     and of the largest verify of the cost curve."""
     kernels = {"plain": generate_kernels(model, None, TreeConfig(), prompts, "plain", args)}
     for name in drafts:
-        tag = name.split()[0]
+        tag = name.split(" (")[0].replace(" ", "")  # chain4, dynamic8
         kernels[name] = generate_kernels(model, draft, TREES[name], prompts, tag, args)
     n = max(loops)
     log_dir = f"{args.profile}/batch{prompts.shape[0]}-verify{n}"
@@ -437,7 +453,7 @@ def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
     the first `batch`), the rest over the first `batch` prompts."""
     cfg, prompts = model.config, queue[:batch]
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
-    trees = {} if args.no_spec else TREES
+    trees = timed_trees(args)
     sizes = {1, *args.tree_sizes, *map(tree_nodes, trees.values())}
     slots = cache_slots(args.prompt_len + max(args.new_tokens, *sizes), cfg.max_seq_len)
     loops = verify_loops(model, prompts, lengths, sorted(sizes), slots)
@@ -484,8 +500,8 @@ def main(argv=None):
     for b in args.batches:
         rows.append(measure(model, draft, queue(prompt_rows, b, args), b, weight_bytes, args))
         print_row(rows[-1])
-        trees = {name: dataclasses.asdict(tree) for name, tree in TREES.items()}
-        out = dict(args=vars(args), trees={} if args.no_spec else trees, rows=rows)
+        trees = {name: dataclasses.asdict(tree) for name, tree in timed_trees(args).items()}
+        out = dict(args=vars(args), trees=trees, rows=rows)
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_spec:
         print_choices(rows)
@@ -536,14 +552,15 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     expected = np.stack(jax.device_get(expected), axis=1)
     for name, d, tree in (
         ("plain", None, TreeConfig()),
-        *((k, draft, t) for k, t in TREES.items()),
+        *((k, draft, t) for k, t in timed_trees(args).items()),
     ):
         config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
         got = generate(model, d, prompts, lengths, jax.random.key(0), config).tokens
         if not np.array_equal(np.asarray(got), expected):
             raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
     backend = decode_attention.trunk_backend(cfg.head_dim)
-    print(f"greedy check: plain and {', '.join(TREES)} (cache attention: {backend}) equal the "
+    trees = ", ".join(timed_trees(args))
+    print(f"greedy check: plain and {trees} (cache attention: {backend}) equal the "
           f"step-by-step loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Asynchronous RL (jspec.launch.train_rl with rl.rollout_mesh and rl.max_lag): on 8 devices split
 4 / 4, lag 0 is the synchronous run step for step; lag 1 is reproducible from its seed, keeps
 every batch within one step of the trainer, feeds the ratio the log-probabilities of the weights
-that generated each batch, and still raises the reward; the weights move device to device.
+that generated each batch, and its GRPO steps still raise the completions rewarded above their
+group's mean and lower those below; the weights move device to device.
 """
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import COMPARED, LOOP, close, loop, train_rl
 from jax.sharding import NamedSharding, PartitionSpec
+from learning import assert_updates_follow_rewards, recorded_loop
 
 from jspec import config as config_lib
 from jspec.config import ConfigError, MeshConfig
@@ -21,6 +23,8 @@ from jspec.rl.state import Networks
 DISCRETE = ("reward", "accepted_length")
 SPLIT = ("rl.rollout_mesh.data=4",)  # 4 rollout devices, the training mesh on the other 4
 SHORT = ("rl.steps=3", "rl.sft_steps=10")
+# Lag 1, from a policy warm-started to succeed sometimes (about 1 in 7).
+LAG_1 = ("rl.steps=6", "rl.sft_steps=60", *SPLIT, "rl.max_lag=1")
 
 
 @pytest.fixture(scope="module")
@@ -44,32 +48,14 @@ def test_lag_0_on_split_meshes_equals_the_synchronous_run(tmp_path, cache):
 
 @pytest.fixture(scope="module")
 def lag_1(tmp_path_factory, cache):
-    """A lag-1 run long enough to learn, with the trainer's weights before each GRPO step and the
-    batch it trained on, as host arrays."""
-    seen = []
-    real = train_rl.make_train_step
-
-    def recording(*args, objective="grpo", **kwargs):
-        step = real(*args, objective=objective, **kwargs)
-        if objective != "grpo":
-            return step
-
-        def run(state, batch):
-            seen.append(jax.device_get((state.params["policy"], batch)))
-            return step(state, batch)
-
-        return run
-
-    run_dir = tmp_path_factory.mktemp("lag_1")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_rl, "make_train_step", recording)
-        rows = loop(run_dir, cache, "rl.steps=24", "rl.sft_steps=60", *SPLIT, "rl.max_lag=1")
-    return rows, seen
+    """A lag-1 run's metrics and its GRPO steps (`learning.Update`), as host arrays."""
+    return recorded_loop(tmp_path_factory.mktemp("lag_1"), cache, *LAG_1)
 
 
-def test_reward_rises_with_lag_1(lag_1):
-    rewards = [r["reward"] for r in lag_1[0]]
-    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.02, rewards
+def test_grpo_steps_at_lag_1_raise_the_better_completions_and_lower_the_worse(lag_1):
+    """Trained on rollouts of the weights one step old, through the ratio to their
+    log-probabilities, each step still moves the policy the way the rewards point."""
+    assert_updates_follow_rewards(lag_1[1])
 
 
 def test_ratio_uses_the_log_probabilities_of_the_weights_that_generated_the_batch(lag_1):
@@ -87,10 +73,10 @@ def test_ratio_uses_the_log_probabilities_of_the_weights_that_generated_the_batc
         return grpo.token_logprobs(logits, batch.tokens, cfg.rollout.temperature)
 
     for n in (1, 2, len(rows) - 1):
-        batch = jax.tree.map(jnp.asarray, seen[n][1])
+        batch = jax.tree.map(jnp.asarray, seen[n].batch)
         mask = np.asarray(batch.response)
-        generating = np.asarray(logprobs(seen[n - rows[n]["lag"]][0], batch))[mask]
-        trainer = np.asarray(logprobs(seen[n][0], batch))[mask]
+        generating = np.asarray(logprobs(seen[n - rows[n]["lag"]].before, batch))[mask]
+        trainer = np.asarray(logprobs(seen[n].before, batch))[mask]
         recorded = np.asarray(batch.old_logprobs)[mask]
         close(recorded, generating, rtol=1e-4)
         assert np.abs(trainer - recorded).max() > 10 * np.abs(generating - recorded).max(), n
@@ -99,12 +85,10 @@ def test_ratio_uses_the_log_probabilities_of_the_weights_that_generated_the_batc
 def test_lag_1_is_reproducible_from_its_seed_and_resumes(tmp_path, cache, lag_1):
     """A second run of the same seed draws the same steps; stopped and resumed, it refills the
     pipeline from the checkpoint (the resumed step's batch from its own weights, lag 0)."""
-    again = loop(tmp_path, cache, "rl.steps=24", "rl.sft_steps=60", *SPLIT, "rl.max_lag=1",
-                 "--stop-after", "3")  # fmt: skip
+    again = loop(tmp_path, cache, *LAG_1, "--stop-after", "3")
     for a, b in zip(lag_1[0], again, strict=False):
         assert {k: a[k] for k in (*COMPARED, "lag")} == {k: b[k] for k in (*COMPARED, "lag")}
-    resumed = loop(tmp_path, cache, "rl.steps=24", "rl.sft_steps=60", *SPLIT, "rl.max_lag=1",
-                   "--stop-after", "2")  # fmt: skip
+    resumed = loop(tmp_path, cache, *LAG_1, "--stop-after", "2")
     assert [(r["step"], r["lag"]) for r in resumed] == [(0, 0), (1, 1), (2, 1), (3, 0), (4, 1)]
 
 

@@ -203,9 +203,18 @@ def loop_rate(model, draft, tree, prompts, rows: int, args) -> LoopRate:
     in loop steps is the time of a step."""
     lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
     config = lambda m: rollout_config(tree, m, rows, args)
-    run = lambda m: lambda: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
-    long, short = run(args.new_tokens)().stats, run(1)().stats
+    stats = {}  # of each length's runs (all alike: same prompts, same key)
+
+    def run(m):
+        def call():
+            out = generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
+            stats[m] = out.stats
+            return out
+
+        return call
+
     seconds = best_time(run(args.new_tokens), args.iters) - best_time(run(1), args.iters)
+    long, short = stats[args.new_tokens], stats[1]
     step = seconds / (int(long.iterations) - int(short.iterations))
     return LoopRate(
         step=step,

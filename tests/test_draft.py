@@ -2,10 +2,12 @@
 draft (expected logits in fixtures/eagle3-tiny, see its README), both public checkpoint layouts,
 exact round trips, and clear errors for checkpoints that do not fit."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +18,13 @@ from safetensors.numpy import load_file, save_file
 from jspec.config import ConfigError, ModelConfig
 from jspec.models import create, hf
 from jspec.models import hf_eagle3 as eagle_io
-from jspec.models.draft import Eagle3Config, check_target, create_eagle3, frequent_tokens
+from jspec.models.draft import (
+    Eagle3Config,
+    Eagle3Draft,
+    check_target,
+    create_eagle3,
+    frequent_tokens,
+)
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
 
@@ -39,6 +47,23 @@ def test_logits_match_the_reference_implementation():
     assert found.embedding is not None and "own embed_tokens" in found.describe()
     got, want = fixture_logits(draft, found.embedding)
     close(got, want, rtol=1e-5)
+
+
+def test_rollout_copy_computes_the_same_in_its_compute_dtype():
+    """`for_rollout` casts the float32 weights to the compute dtype once, before a loop of steps:
+    the same logits, bit for bit, as the weights cast where they are used."""
+    draft, found = eagle_io.load(FIXTURE)
+    layer = dataclasses.replace(draft.config.layer, dtype="bfloat16")
+    config = dataclasses.replace(draft.config, layer=layer)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Draft(config, rngs=nnx.Rngs(0))))[0]
+    bf16 = nnx.merge(graphdef, nnx.state(draft))
+    rollout = bf16.for_rollout()
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(rollout))}
+    assert dtypes == {jnp.dtype("bfloat16"), jnp.dtype("int32")}  # int32: the vocabulary map
+    got, _ = fixture_logits(rollout, found.embedding)
+    want, reference = fixture_logits(bf16, found.embedding)
+    np.testing.assert_array_equal(got, want)
+    close(got, reference, rtol=0.1)  # bfloat16 compute, near the float32 reference
 
 
 def rename_layer(src, dst, prefix="layers.0", drop=(), config_edit=None):

@@ -223,11 +223,12 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
         close(got[b], forward(seqs[b, : lengths[b] + 1])[0][-1])
 
 
-def test_for_rollout_computes_what_the_model_computes(model, fns):
-    """The unstacked copy of the rollout loop, its products fused: the same decode, the original
-    left stacked."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_for_rollout_computes_what_the_model_computes(model, fns, dtype):
+    """The unstacked copy of the rollout loop, its products fused and its float32 weights cast to
+    the compute dtype once: the same decode, bit for bit, the original left stacked."""
     state, *_ = fns
-    graphdef = nnx.split(model)[0]
+    graphdef = graphdef_for(dataclasses.replace(CONFIG, dtype=dtype))
     prompt = np.random.RandomState(9).randint(0, CONFIG.vocab_size, (2, 6)).astype(np.int32)
 
     def run(state, rollout: bool):
@@ -238,6 +239,10 @@ def test_for_rollout_computes_what_the_model_computes(model, fns):
 
     run = jax.jit(run, static_argnums=1)
     np.testing.assert_array_equal(run(state, True), run(state, False))
+    rollout = jax.jit(lambda s: nnx.state(nnx.merge(graphdef, s).for_rollout()))(state)
+    stacks = {"layers", "moe_layers"}  # left as they are, unused by the rollout path
+    kept = [x for path, x in jax.tree.leaves_with_path(rollout) if path[0].key not in stacks]
+    assert {x.dtype for x in kept if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(dtype)}
     assert model.unstacked is None
     layer, c = model.for_rollout().unstacked[2], CONFIG
     g = c.num_heads // c.num_kv_heads

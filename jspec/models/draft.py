@@ -54,6 +54,7 @@ from jspec.models.transformer import (
     create_sharded,
     last_valid,
     rms_norm,
+    rollout_weights,
     rope_angles,
     swiglu,
 )
@@ -297,7 +298,10 @@ class Eagle3Draft(nnx.Module):
         return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
 
     def for_rollout(self) -> Eagle3Draft:
-        return self  # one layer, in weights of its own already
+        """This draft with its weights in the compute dtype, cast once (one layer, in weights of
+        its own already)."""
+        graphdef, state = nnx.split(self)
+        return nnx.merge(graphdef, rollout_weights(state, self._dtype))
 
     # -- internals -----------------------------------------------------------------------------
 

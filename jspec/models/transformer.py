@@ -476,6 +476,16 @@ class TreeKV(NamedTuple):
 # The model.
 
 
+def rollout_weights(weights, dtype):
+    """`weights` (a pytree) with each floating-point array cast to the compute `dtype`, behind an
+    optimization barrier: a copy made once before a loop of rollout steps, which XLA would
+    otherwise fuse back into the loop and redo at every step. Every weight is cast to the compute
+    dtype where it is used, so the copy computes exactly what the weights do."""
+    dtype = jnp.dtype(dtype)
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.lax.optimization_barrier(jax.tree.map(cast, weights))
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM. Parameters carry logical axis names (`param_shardings` places them).
 
@@ -564,18 +574,25 @@ class Transformer(nnx.Module):
 
     def for_rollout(self) -> Transformer:
         """This model with each decoder layer in weights of its own (`unstacked`, products fused:
-        `Block.fused`), for a loop of rollout steps; `self` is unchanged.
+        `Block.fused`), all weights in the compute dtype, for a loop of rollout steps; `self` is
+        unchanged.
 
         The rollout path otherwise slices layer i out of the stacked weights, and inside a loop
         XLA (on GPU) copies every slice at every step, which doubles the bytes a decode step
-        reads. Here the slices are taken once, behind an optimization barrier so that they are
-        not fused back into the loop; the weights are held twice while the copy lives.
+        reads; float32 weights (an RL policy's) would be cast to the compute dtype at every step
+        too, reading each byte three times. Here both happen once (`rollout_weights`); the
+        weights are held twice while the copy lives.
         """
         model = nnx.merge(*nnx.split(self))
         layers = [layer.fused(self._constrain) for layer in self._layers()]
         graphdefs, states = zip(*map(nnx.split, layers), strict=True)
-        states = jax.lax.optimization_barrier(list(states))
+        own = [n for n in ("embed", "final_norm", "unembed") if getattr(self, n) is not None]
+        states, values = rollout_weights(
+            (list(states), [getattr(self, n)[...] for n in own]), self.config.dtype
+        )
         model.unstacked = nnx.List(map(nnx.merge, graphdefs, states))
+        for name, value in zip(own, values, strict=True):
+            getattr(model, name).set_value(value)
         return model
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

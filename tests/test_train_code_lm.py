@@ -1,6 +1,6 @@
-"""`launch/train_code_lm.py` at toy size, its batch split over two devices: a run that dies in the
-middle of a stage resumes from its newest step checkpoint and ends where the uninterrupted run
-ends."""
+"""`launch/train_code_lm.py` at toy size, its batch split over two devices: a run that stops at its
+time limit or dies in the middle of a stage resumes from its newest step checkpoint and ends where
+the uninterrupted run ends."""
 
 import jax
 import numpy as np
@@ -21,7 +21,10 @@ class Died(Exception):
     pass
 
 
-def test_a_run_that_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """A run stopped at its time limit (`--stop-after 0`: after one step) exits 75 with its step
+    saved; resumed, it dies in the draft stage; resumed again, it ends bit-equal to one
+    uninterrupted run."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     train_code_lm.main([*ARGS, "--run-dir", str(whole)])
 
@@ -40,12 +43,15 @@ def test_a_run_that_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatc
         return batch
 
     monkeypatch.setattr(train_code_lm, "sampler", counting_sampler)
-    die = True
+    die, args = True, [*ARGS, "--run-dir", str(killed)]
+    assert train_code_lm.main([*args, "--stop-after", "0"]) == train_code_lm.EXIT_RESUME
+    assert "target: stopped at the time limit after step 1" in capsys.readouterr().out
     with pytest.raises(Died):
-        train_code_lm.main([*ARGS, "--run-dir", str(killed)])
+        train_code_lm.main(args)
+    assert calls[:2] == [0, 1], calls  # the stopped run's step, then the resumed run's first
     assert (killed / "target").is_dir() and (killed / "draft.steps").is_dir()
     die, calls[:] = False, []
-    train_code_lm.main([*ARGS, "--run-dir", str(killed)])
+    train_code_lm.main(args)
     assert calls[:1] == [3], calls  # the target loaded, the draft resumed after its step 3
     assert "draft: resumed after step 3" in capsys.readouterr().out
     assert not (killed / "draft.steps").exists()

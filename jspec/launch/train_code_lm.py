@@ -13,7 +13,9 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
 stage checkpoints every `--save-minutes`: a run that dies resumes from the newest checkpoint
-of the stage it was in (a finished stage is loaded, not trained again).
+of the stage it was in (a finished stage is loaded, not trained again). Under a time limit (a
+job's, a lent machine's), `--stop-after MINUTES` saves the stage's step at that time and exits with
+status 75; the same command resumes.
 `python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
 
@@ -81,6 +83,13 @@ def parse_args(argv=None):
         default=4.0,
         help="minutes between checkpoints of a stage in training (a run that dies resumes from "
         "the newest; a save of the 1.4B target and its optimizer state writes about 17 GB)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=float,
+        metavar="MINUTES",
+        help="a time limit: once this many minutes have passed, the stage in training saves its "
+        f"step and the run exits with status {EXIT_RESUME}; the same command resumes it",
     )
     return p.parse_args(argv)
 
@@ -187,19 +196,30 @@ def adamw(learning_rate: float, steps: int):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
+EXIT_RESUME = 75  # the exit status of a run stopped by --stop-after (EX_TEMPFAIL: run it again)
+
+
+class OutOfTime(Exception):
+    """A stage stopped at the run's time limit, its newest step saved."""
+
+
 class StepSaves:
     """Checkpoints of a stage in training (parameters, optimizer state, steps done) in
-    `directory`, one every `minutes`, the newest kept: batch i is the same in every run, so a run
-    resumed after step n continues as the run that died would have."""
+    `directory`, one every `minutes` and one at the `deadline` (a `time.perf_counter()`; None:
+    none), the newest kept: batch i is the same in every run, so a run resumed after step n
+    continues as the run that died would have."""
 
-    def __init__(self, directory: pathlib.Path, minutes: float):
-        self.directory, self.seconds = directory.resolve(), 60 * minutes
+    def __init__(self, directory: pathlib.Path, minutes: float, deadline: float | None = None):
+        self.directory, self.seconds, self.deadline = directory.resolve(), 60 * minutes, deadline
         options = ocp.CheckpointManagerOptions(max_to_keep=1)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.last = time.perf_counter()
 
     def due(self) -> bool:
-        return time.perf_counter() - self.last >= self.seconds
+        return time.perf_counter() - self.last >= self.seconds or self.out_of_time()
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
 
     def save(self, step: int, params, opt_state) -> None:
         state = dict(params=params, opt_state=opt_state)
@@ -254,6 +274,9 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, m
                   f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
         if saves is not None and i + 1 < steps and saves.due():
             saves.save(i + 1, params, opt_state)
+            if saves.out_of_time():
+                raise OutOfTime(f"{name}: stopped at the time limit after step {i + 1}, saved in "
+                                f"{saves.directory}")  # fmt: skip
     return nnx.merge(graphdef, params, rest)
 
 
@@ -304,16 +327,16 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stage(path: pathlib.Path, module, train, save, load, minutes: float):
+def stage(path: pathlib.Path, module, train, save, load, minutes: float, deadline):
     """`module` with the weights of a finished stage at `path` (`load(path)`: a module); else
-    `train(saves)`, which checkpoints every `minutes` in `path`.steps (a run that died resumes
-    from the newest), saved whole to `path` by `save` (through a temporary folder, so a partial
-    save is never read)."""
+    `train(saves)`, which checkpoints every `minutes` and at the `deadline` in `path`.steps (a run
+    that died or stopped resumes from the newest), saved whole to `path` by `save` (through a
+    temporary folder, so a partial save is never read)."""
     if path.is_dir():
         nnx.update(module, nnx.state(load(path), nnx.Param))
         print(f"{path.name}: the finished stage at {path}", flush=True)
         return module
-    saves = StepSaves(path.with_name(path.name + ".steps"), minutes)
+    saves = StepSaves(path.with_name(path.name + ".steps"), minutes, deadline)
     module = train(saves)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -347,6 +370,7 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
     at = lambda: f"[{time.perf_counter() - start:.0f} s into the run]"
+    deadline = None if args.stop_after is None else start + 60 * args.stop_after
     cfg = config_lib.load(args.config, args.overrides).model
     mesh = data_mesh(args.data_parallel, args.batch)
     run = pathlib.Path(args.run_dir)
@@ -362,20 +386,26 @@ def main(argv=None):
     target = create(cfg, mesh=mesh)
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
           "parameters", flush=True)  # fmt: skip
-    target = stage(
-        run / "target", target,
-        lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate, "target",
-                          mesh, saves=saves),
-        hf.save, lambda path: hf.load(path, mesh), args.save_minutes,
-    )  # fmt: skip
-    print(f"target trained {at()}", flush=True)
-    draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
-    draft = stage(
-        run / "draft", draft,
-        lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                          args.draft_learning_rate, "draft", mesh, teacher=target, saves=saves),
-        hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0], args.save_minutes,
-    )  # fmt: skip
+    try:
+        target = stage(
+            run / "target", target,
+            lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate,
+                              "target", mesh, saves=saves),
+            hf.save, lambda path: hf.load(path, mesh), args.save_minutes, deadline,
+        )  # fmt: skip
+        print(f"target trained {at()}", flush=True)
+        draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
+        draft = stage(
+            run / "draft", draft,
+            lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
+                              args.draft_learning_rate, "draft", mesh, teacher=target,
+                              saves=saves),
+            hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0], args.save_minutes,
+            deadline,
+        )  # fmt: skip
+    except OutOfTime as stop:
+        print(f"{stop} {at()}; run the same command to resume", flush=True)
+        return EXIT_RESUME
     print(f"draft trained {at()}", flush=True)
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,

@@ -274,7 +274,8 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, m
                   f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
         if saves is not None and i + 1 < steps and saves.due():
             saves.save(i + 1, params, opt_state)
-            if saves.out_of_time():
+            if saves.out_of_time():  # the process exits next: the (background) save first
+                saves.manager.wait_until_finished()
                 raise OutOfTime(f"{name}: stopped at the time limit after step {i + 1}, saved in "
                                 f"{saves.directory}")  # fmt: skip
     return nnx.merge(graphdef, params, rest)

@@ -76,15 +76,35 @@ def decode_attention(
             qg, q_segment_ids, q_positions, k, v, segment_ids, positions, trunk,
             scale=scale, interpret=backend == "pallas_interpret",
         )  # fmt: skip
+    state = tuple(jnp.moveaxis(x, 3, 1) for x in state)  # [B,R,K,G(,D)]: the query's layout
     if branch_k is not None:
         ancestors = masks.ancestor_mask(parent)  # [B, N, N]: small trees only
         seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
         seen = seen & (nodes >= 0)[:, :, None]
-        s = jnp.einsum("brkgd,bnkd->bkgrn", qg, branch_k, preferred_element_type=jnp.float32)
-        s = jnp.where(seen[:, None, None], s, -jnp.inf)
-        state = _continue(state, s, jnp.swapaxes(branch_v, 1, 2), scale)
+        state = _branch(state, qg, branch_k, branch_v, seen, scale)
     out, _ = _finish(*state)
-    return jnp.moveaxis(out, 3, 1).reshape(b, r, hq, d)
+    return out.reshape(b, r, hq, d)
+
+
+def _branch(state, qg, branch_k, branch_v, seen, scale):
+    """Online softmax: fold the branch keys in (the tree's nodes, a few per row) for the queries
+    `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Scores and values are
+    products summed by XLA reductions, not matrix products: a product batched over (row, KV head)
+    would want those axes outermost, and moving the query rows behind them copies the queries, the
+    branch keys and values and the output of every layer (a kernel each, as costly as the work at
+    a few nodes)."""
+    m, l, acc = state
+    f32 = lambda x: x.astype(jnp.float32)
+    k_BKND, v_BKND = (jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v))
+    s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)  # [B,R,K,G,N]
+    s = jnp.where(seen[:, :, None, None], s * scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    # p rounded to the values' dtype, as the trunk's product takes it (`_continue`)
+    pv = jnp.sum(f32(p.astype(v_BKND.dtype))[..., None] * f32(v_BKND)[:, None, :, None], axis=-2)
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
 def cache_slots(tokens: int, limit: int | None = None) -> int:

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from jspec import mesh as mesh_lib
 from jspec.attention import attention
 from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, ModelConfig
@@ -52,6 +53,8 @@ from jspec.models.transformer import (
     cache_attention,
     create,
     create_sharded,
+    fuse_gate_up,
+    fuse_qkv,
     last_valid,
     rms_norm,
     rollout_weights,
@@ -207,6 +210,8 @@ class Eagle3Draft(nnx.Module):
                 f"target id per draft token: ({config.draft_vocab_size},)."
             )
         self.target_ids = VocabMap(jnp.asarray(target_ids, jnp.int32), axes=(None,))
+        # Set by `for_rollout` in place of wq, wk, wv and of w_gate, w_up.
+        self.w_qkv, self.w_gate_up = nnx.data(None), nnx.data(None)
 
     # -- the layer -----------------------------------------------------------------------------
 
@@ -220,18 +225,20 @@ class Eagle3Draft(nnx.Module):
         rotated (k, v) [B,T,K,E]."""
         c = self.config.layer
         w = lambda p: p[...].astype(self._dtype)
+        fused = self.w_qkv is not None
         normed = rms_norm(hidden_BTD, self.hidden_norm[...], c.rms_norm_eps)
         h_BT2D = jnp.concatenate(
             [rms_norm(emb_BTD.astype(self._dtype), self.input_norm[...], c.rms_norm_eps), normed],
             axis=-1,
         )
         o_BTD, kv = attention_sublayer(
-            h_BT2D, (w(self.wq), w(self.wk), w(self.wv)), w(self.wo), cos_sin, attend,
-            eps=c.rms_norm_eps,
+            h_BT2D, w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv)), w(self.wo),
+            cos_sin, attend, eps=c.rms_norm_eps,
         )  # fmt: skip
         x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
         h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
-        x_BTD = x_BTD + swiglu(h_BTD, (w(self.w_gate), w(self.w_up)), w(self.w_down))
+        w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
+        x_BTD = x_BTD + swiglu(h_BTD, w_in, w(self.w_down))
         return x_BTD, kv
 
     def draft_logits(self, hidden_BTD) -> Float[Array, "b t vd"]:
@@ -298,9 +305,17 @@ class Eagle3Draft(nnx.Module):
         return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
 
     def for_rollout(self) -> Eagle3Draft:
-        """This draft with its weights in the compute dtype, cast once (one layer, in weights of
-        its own already)."""
-        graphdef, state = nnx.split(self)
+        """A copy of this draft for a loop of rollout steps: its input products fused as the
+        target's are (`Block.fused`: two products instead of five, each step drafts one to a
+        few times), its weights cast to the compute dtype once (`rollout_weights`)."""
+        draft = nnx.merge(*nnx.split(self))
+        qkv = fuse_qkv(self.wq[...], self.wk[...], self.wv[...])
+        qkv = mesh_lib.constrain(qkv, self.mesh, (None, "kv_heads", None, "head_dim"))
+        gate_up = fuse_gate_up(self.w_gate[...], self.w_up[...])
+        draft.w_qkv = nnx.Param(qkv)
+        draft.w_gate_up = nnx.Param(mesh_lib.constrain(gate_up, self.mesh, ("embed", None, "mlp")))
+        draft.wq = draft.wk = draft.wv = draft.w_gate = draft.w_up = None
+        graphdef, state = nnx.split(draft)
         return nnx.merge(graphdef, rollout_weights(state, self._dtype))
 
     # -- internals -----------------------------------------------------------------------------

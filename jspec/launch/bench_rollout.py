@@ -160,6 +160,11 @@ def timed_trees(args) -> dict[str, TreeConfig]:
     return {} if args.no_spec else {name: TREES[name] for name in args.trees}
 
 
+# Bodies of the verify and draft loops timed (their difference is kept): their programs prefill
+# first, which both lengths pay, so the difference must be long enough that the prefill's jitter
+# (a share of a second at batch 256) stays small beside it.
+LOOP_LENGTHS = dict(short=2, long=34)
+
 # Other rollout attention the plain step can be timed with (`--compare`): `attention_setting` args.
 COMPARED = {"blocks": dict(few_queries=0), "xla": dict(backend="xla")}
 
@@ -266,7 +271,7 @@ def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dic
     for name, run in drafts.items():
         tree = TREES[name]
         spec = loop_rate(model, draft, tree, prompts, rows, args)
-        drafting = loop_seconds(run, args.iters)
+        drafting = loop_seconds(run, args.iters, **LOOP_LENGTHS)
         out[name] = dict(
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
@@ -291,27 +296,28 @@ def predicted_speedup(spec: LoopRate, plain: LoopRate, proposal_and_verify, forw
 
 
 def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
-    """For each n of `sizes`, the `verify_loop` of a chain of n nodes against one cache of `slots`
-    slots per row (as many as `generate` allocates), prefilled once."""
+    """For each n of `sizes`, the `verify_loop` of a chain of n nodes against the prompts' cache
+    of `slots` slots per row (as many as `generate` allocates)."""
     graphdef, state = nnx.split(model)
-    b = prompts.shape[0]
-    m = lambda state: nnx.merge(graphdef, state)
-    cache = jax.jit(lambda s: m(s).prefill(prompts, m(s).init_cache(b, slots), lengths)[1])(state)
-    return {n: verify_loop(graphdef, state, cache, prompts, n) for n in sizes}
+    return {n: verify_loop(graphdef, state, prompts, lengths, n, slots) for n in sizes}
 
 
-def verify_loop(graphdef, state, cache, prompts, n: int):
-    """`run(count)`: `count` branch forwards over a chain of n nodes against `cache`, in a jitted
-    loop (weights sliced once before it, as `generate` does): a partial of the jitted loop."""
+def verify_loop(graphdef, state, prompts, lengths, n: int, slots: int):
+    """`run(count)`: the prompts prefilled, then `count` branch forwards over a chain of n nodes
+    against their cache, in a jitted loop (weights sliced once before it, as `generate` does): a
+    partial of the jitted program. The prefill is in the program, so that it compiles with the
+    others (`warm_up`); `loop_seconds` takes it out of the time."""
     b = prompts.shape[0]
     depth = jnp.arange(1, n + 1, dtype=jnp.int32)
-    anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
     parent = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (b, n))
-    positions = cache.length[:, None] + depth - 1
 
     @jax.jit
-    def run(state, cache, count):
-        model = nnx.merge(graphdef, state).for_rollout()
+    def run(state, count):
+        model = nnx.merge(graphdef, state)
+        cache = model.prefill(prompts, model.init_cache(b, slots), lengths)[1]
+        anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
+        positions = cache.length[:, None] + depth - 1
+        model = model.for_rollout()
 
         def body(i, acc):
             tokens = (prompts[:, :n] + i) % model.config.vocab_size
@@ -320,7 +326,7 @@ def verify_loop(graphdef, state, cache, prompts, n: int):
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
 
-    return functools.partial(run, state, cache)
+    return functools.partial(run, state)
 
 
 def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, args):
@@ -482,7 +488,7 @@ def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
     plain = loop_rate(model, None, TreeConfig(), queue, batch, args)
     step = plain.step
     log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
-    curve = {n: loop_seconds(run, args.iters) for n, run in loops.items()}
+    curve = {n: loop_seconds(run, args.iters, **LOOP_LENGTHS) for n, run in loops.items()}
     log(f"batch {batch}: cost curve timed")
     floor = memory_floor(cfg, batch, weight_bytes, args)
     row = dict(

@@ -243,6 +243,9 @@ def test_for_rollout_computes_what_the_model_computes(model, fns, dtype):
     stacks = {"layers", "moe_layers"}  # left as they are, unused by the rollout path
     kept = [x for path, x in jax.tree.leaves_with_path(rollout) if path[0].key not in stacks]
     assert {x.dtype for x in kept if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(dtype)}
+    original = nnx.merge(graphdef, state)
+    original.for_rollout()
+    assert original.embed[...].dtype == original.final_norm[...].dtype == jnp.float32
     assert model.unstacked is None
     layer, c = model.for_rollout().unstacked[2], CONFIG
     g = c.num_heads // c.num_kv_heads

@@ -601,8 +601,9 @@ class Transformer(nnx.Module):
             (list(states), [getattr(self, n)[...] for n in own]), self.config.dtype
         )
         model.unstacked = nnx.List(map(nnx.merge, graphdefs, states))
-        for name, value in zip(own, values, strict=True):
-            getattr(model, name).set_value(value)
+        for name, value in zip(own, values, strict=True):  # new Variables: the copy's are `self`'s
+            variable = getattr(self, name)
+            setattr(model, name, type(variable)(value, **variable.get_metadata()))
         return model
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

@@ -291,21 +291,24 @@ def test_decode_queries_single_device():
 
 
 @pytest.mark.parametrize(
-    "chunk, impl, heads_major, backend",
+    "chunk, impl, heads_major, backend, summed_pairs",
     [
-        (4096, "decode", False, "xla"),
-        (24, "decode", True, "xla"),
-        (4096, "xla", True, "xla"),
-        (4096, "decode", True, "pallas_interpret"),
+        (4096, "decode", False, "xla", decode.SUMMED_PAIRS),
+        (24, "decode", True, "xla", 0),
+        (4096, "xla", True, "xla", decode.SUMMED_PAIRS),
+        (4096, "decode", True, "pallas_interpret", decode.SUMMED_PAIRS),
     ],
 )
-def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, backend):
+def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, backend,
+                                       summed_pairs):  # fmt: skip
     """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
     values and gradients; a small chunk exercises the online softmax across cache chunks. A
     heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path. The Pallas
-    trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row."""
+    trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row. The
+    tree's part is summed in place, or (`summed_pairs` 0) computed as matrix products."""
     monkeypatch.setattr(decode, "CHUNK", chunk)
     monkeypatch.setattr(decode, "BACKEND", backend)
+    monkeypatch.setattr(decode, "SUMMED_PAIRS", summed_pairs)
     tiling = pallas_decode.Tiling(block_k=16, target_programs=4 * 3 * HKV)
     monkeypatch.setattr(pallas_decode, "TILING", tiling)
     rng = np.random.default_rng(11)

@@ -31,6 +31,9 @@ CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds th
 # What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
 # "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
 BACKEND = "auto"
+# (query row, tree node) pairs per row up to which the tree's part is summed in place (`_branch`):
+# verifying up to 10 nodes (a chain of 6 with 2 siblings, a dynamic tree of 8, and the root)
+SUMMED_PAIRS = 128
 
 
 def _continue(state, s, v, scale):
@@ -88,22 +91,30 @@ def decode_attention(
 
 def _branch(state, qg, branch_k, branch_v, seen, scale):
     """Online softmax: fold the branch keys in (the tree's nodes, a few per row) for the queries
-    `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Scores and values are
-    products summed by XLA reductions, not matrix products: a product batched over (row, KV head)
-    would want those axes outermost, and moving the query rows behind them copies the queries, the
-    branch keys and values and the output of every layer (a kernel each, as costly as the work at
-    a few nodes)."""
+    `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Up to `SUMMED_PAIRS`
+    (query, node) pairs a row, scores and values are products summed by XLA reductions, not
+    matrix products: a matrix product batched over (row, KV head) wants those axes outermost, and
+    moving the query rows behind them copies the queries, the branch keys and values and the output
+    of every layer (a kernel each, as costly as the work at a few nodes). Beyond, the work outgrows
+    the copies, and the tensor cores take it."""
     m, l, acc = state
     f32 = lambda x: x.astype(jnp.float32)
     k_BKND, v_BKND = (jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v))
-    s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)  # [B,R,K,G,N]
-    s = jnp.where(seen[:, :, None, None], s * scale, -jnp.inf)
+    summed = qg.shape[1] * k_BKND.shape[2] <= SUMMED_PAIRS
+    if summed:
+        s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)
+    else:
+        s = jnp.einsum("brkgd,bknd->brkgn", qg, k_BKND, preferred_element_type=jnp.float32)
+    s = jnp.where(seen[:, :, None, None], s * scale, -jnp.inf)  # [B,R,K,G,N]
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
-    # p rounded to the values' dtype, as the trunk's product takes it (`_continue`)
-    pv = jnp.sum(f32(p.astype(v_BKND.dtype))[..., None] * f32(v_BKND)[:, None, :, None], axis=-2)
+    p_v = p.astype(v_BKND.dtype)  # rounded as the trunk's product takes it (`_continue`)
+    if summed:
+        pv = jnp.sum(f32(p_v)[..., None] * f32(v_BKND)[:, None, :, None], axis=-2)
+    else:
+        pv = jnp.einsum("brkgn,bknd->brkgd", p_v, v_BKND, preferred_element_type=jnp.float32)
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 

@@ -219,7 +219,7 @@ class StepSaves:
         return time.perf_counter() - self.last >= self.seconds or self.out_of_time()
 
     def out_of_time(self) -> bool:
-        return self.deadline is not None and time.perf_counter() >= self.deadline
+        return past(self.deadline)
 
     def save(self, step: int, params, opt_state) -> None:
         state = dict(params=params, opt_state=opt_state)
@@ -241,6 +241,11 @@ class StepSaves:
         """Drops the checkpoints once the stage is saved whole."""
         self.manager.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def past(deadline: float | None) -> bool:
+    """Whether `deadline` (a `time.perf_counter()`; None: none) has passed."""
+    return deadline is not None and time.perf_counter() >= deadline
 
 
 def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, mesh,
@@ -388,6 +393,7 @@ def main(argv=None):
     print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
           "parameters", flush=True)  # fmt: skip
     try:
+        target_trains = not (run / "target").is_dir()
         target = stage(
             run / "target", target,
             lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate,
@@ -395,6 +401,8 @@ def main(argv=None):
             hf.save, lambda path: hf.load(path, mesh), args.save_minutes, deadline,
         )  # fmt: skip
         print(f"target trained {at()}", flush=True)
+        if target_trains and past(deadline):  # its last step ended past the limit
+            raise OutOfTime("the time limit came before the draft's stage")
         draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
         draft = stage(
             run / "draft", draft,

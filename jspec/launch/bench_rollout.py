@@ -282,7 +282,11 @@ def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dic
                 spec, plain, curve[tree_nodes(tree)] + drafting, curve[1]
             ),
         )
-        log(f"batch {rows}: {name} timed")
+        x = out[name]
+        log(f"batch {rows}: {name}: step {x['step_in_decode_steps']:.2f} plain steps (draft "
+            f"{x['draft_in_decode_steps']:.2f}), accepted {x['accepted_length']:.2f}, busy "
+            f"{x['busy']:.2f}, speedup {x['speedup']:.2f}x (predicted "
+            f"{x['predicted_speedup']:.2f}x)")  # fmt: skip
     return out
 
 
@@ -487,9 +491,13 @@ def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
     warm_up(model, draft, queue, batch, [*loops.values(), *drafts.values()], args)
     plain = loop_rate(model, None, TreeConfig(), queue, batch, args)
     step = plain.step
-    log(f"batch {batch}: plain step {1e3 * step:.2f} ms")
+    log(f"batch {batch}: plain step {1e3 * step:.2f} ms, busy {plain.busy:.2f}")
     curve = {n: loop_seconds(run, args.iters, **LOOP_LENGTHS) for n, run in loops.items()}
-    log(f"batch {batch}: cost curve timed")
+    log(
+        f"batch {batch}: verify costs "
+        + ", ".join(f"{n}: {s / step:.2f}" for n, s in curve.items())
+        + " plain steps"
+    )
     floor = memory_floor(cfg, batch, weight_bytes, args)
     row = dict(
         batch=batch,

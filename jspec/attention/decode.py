@@ -32,7 +32,7 @@ CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds th
 # "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
 BACKEND = "auto"
 # (query row, tree node) pairs per row up to which the tree's part is summed in place (`_branch`):
-# verifying up to 10 nodes (a chain of 6 with 2 siblings, a dynamic tree of 8, and the root)
+# verifying up to 11 nodes, the root and a tree of 10 (a chain of 6 with 4 siblings, a dynamic 8)
 SUMMED_PAIRS = 128
 
 

@@ -141,13 +141,17 @@ def parse_args(argv=None):
 
 # Trees of the speculative steps timed: a step's cost in decode steps is the accepted length at
 # which speculation breaks even. "+ 2 siblings": the draft's second choice beside the chain's first
-# two nodes, as leaves (a second chance where a miss is likeliest, for no more draft forwards).
+# two nodes, as leaves (a second chance where a miss is likeliest, for no more draft forwards);
+# "+ 4 siblings": its second and third beside the first, its second beside the second and third.
 TREES = {  # the trees `--trees` may name
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
     "chain 6": TreeConfig(kind="chain", depth=6, sampled=False),
     "chain 4 + 2 siblings": TreeConfig(kind="static", parents=(-1, -1, 0, 0, 2, 4), sampled=False),
     "chain 6 + 2 siblings": TreeConfig(
         kind="static", parents=(-1, -1, 0, 0, 2, 4, 5, 6), sampled=False
+    ),
+    "chain 6 + 4 siblings": TreeConfig(
+        kind="static", parents=(-1, -1, -1, 0, 0, 3, 3, 5, 7, 8), sampled=False
     ),
     "dynamic 8 (SGLang)": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
     "dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16),

@@ -36,17 +36,16 @@ BACKEND = "auto"
 SUMMED_PAIRS = 128
 
 
-def _continue(state, s, v, scale):
-    """Online softmax: fold scores s [B,K,G,R,C] (-inf where masked) and values v [B,K,C,D] in."""
+def _continue(state, s, scale, weigh):
+    """Online softmax: fold scores s [..., C] (-inf where masked) in, state (m, l, acc) [...(, D)];
+    `weigh(p)` is the values weighted by p [..., C], summed over C, in float32."""
     m, l, acc = state
     s = s * scale
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
-    # p in the values' dtype (as flash attention does): a float32 copy of the cache costs more
-    pv = jnp.einsum("bkgrc,bkcd->bkgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + weigh(p)
 
 
 def decode_attention(
@@ -97,7 +96,6 @@ def _branch(state, qg, branch_k, branch_v, seen, scale):
     moving the query rows behind them copies the queries, the branch keys and values and the output
     of every layer (a kernel each, as costly as the work at a few nodes). Beyond, the work outgrows
     the copies, and the tensor cores take it."""
-    m, l, acc = state
     f32 = lambda x: x.astype(jnp.float32)
     k_BKND, v_BKND = (jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v))
     summed = qg.shape[1] * k_BKND.shape[2] <= SUMMED_PAIRS
@@ -105,17 +103,14 @@ def _branch(state, qg, branch_k, branch_v, seen, scale):
         s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)
     else:
         s = jnp.einsum("brkgd,bknd->brkgn", qg, k_BKND, preferred_element_type=jnp.float32)
-    s = jnp.where(seen[:, :, None, None], s * scale, -jnp.inf)  # [B,R,K,G,N]
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    corr = jnp.exp(m - m_safe)
-    p_v = p.astype(v_BKND.dtype)  # rounded as the trunk's product takes it (`_continue`)
-    if summed:
-        pv = jnp.sum(f32(p_v)[..., None] * f32(v_BKND)[:, None, :, None], axis=-2)
-    else:
-        pv = jnp.einsum("brkgn,bknd->brkgd", p_v, v_BKND, preferred_element_type=jnp.float32)
-    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+    def weigh(p):  # p in the values' dtype, as the trunk takes it
+        p = p.astype(v_BKND.dtype)
+        if summed:
+            return jnp.sum(f32(p)[..., None] * f32(v_BKND)[:, None, :, None], axis=-2)
+        return jnp.einsum("brkgn,bknd->brkgd", p, v_BKND, preferred_element_type=jnp.float32)
+
+    return _continue(state, jnp.where(seen[:, :, None, None], s, -jnp.inf), scale, weigh)
 
 
 def cache_slots(tokens: int, limit: int | None = None) -> int:
@@ -152,7 +147,10 @@ def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, s
         )  # fmt: skip
         s = jnp.einsum("brkgd,bkcd->bkgrc", qg, sl(k, 2), preferred_element_type=jnp.float32)
         s = jnp.where(seen[:, None, None], s, -jnp.inf)
-        return _continue(state, s, sl(v, 2), scale)
+        # p in the values' dtype (as flash attention does): a float32 copy of the cache costs more
+        weigh = lambda p: jnp.einsum("bkgrc,bkcd->bkgrd", p.astype(v.dtype), sl(v, 2),
+                                     preferred_element_type=jnp.float32)  # fmt: skip
+        return _continue(state, s, scale, weigh)
 
     full, rest = divmod(k.shape[2], CHUNK)
     if full > 1:

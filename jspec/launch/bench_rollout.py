@@ -347,7 +347,7 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     @jax.jit
     def run(model, draft, count):
         target, draft = model.for_rollout(), draft.for_rollout()
-        embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
+        embed = target.embed[...]  # in the compute dtype (`for_rollout`)
         cache = target.init_cache(b, slots)
         out = target.prefill(prompts, cache, lengths, taps=draft.uses_taps)
         features = out[2] if draft.uses_taps else None

@@ -237,7 +237,7 @@ def rollout(
     lengths = jnp.asarray(lengths, jnp.int32)
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
-    embed = target.embed[...].astype(jnp.dtype(target.config.dtype))
+    embed = target.embed[...]  # in the compute dtype (`for_rollout`)
     start = functools.partial(_start, target, draft, embed, config, t + m)
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)

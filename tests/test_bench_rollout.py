@@ -1,11 +1,13 @@
-"""The measuring parts of `launch/bench_rollout.py` that need no model: which prompts each batch
-runs (a queue of distinct prompts), the speedup the costs predict, and the naming of profiled
-kernels from an XLA dump."""
+"""The measuring parts of `launch/bench_rollout.py`: which prompts each batch runs (a queue of
+distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump,
+and the greedy check of the rollout path against a step-by-step loop."""
 
 import argparse
 
 import numpy as np
+import pytest
 
+from jspec import config as config_lib
 from jspec.launch import bench_rollout
 
 ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
@@ -50,3 +52,25 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
     }
     monkeypatch.setenv("XLA_FLAGS", "")
     assert bench_rollout.hlo_ops(kernels) == {}
+
+
+def greedy_check_args(*trees):
+    return bench_rollout.parse_args(
+        ["--device", "cpu", "--config", "tiny", "--prompt-len", "12", "--compile-threads", "2"]
+        + (["--trees", *trees] if trees else ["--no-spec"])
+    )
+
+
+def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch):
+    cfg = config_lib.load("tiny").model
+    bench_rollout.check_greedy(cfg, greedy_check_args("chain 4"), batch=2, new_tokens=6)
+
+    generate = bench_rollout.generate
+
+    def one_token_off(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        return out._replace(tokens=out.tokens.at[1, 3].add(1))
+
+    monkeypatch.setattr(bench_rollout, "generate", one_token_off)
+    with pytest.raises(SystemExit, match="plain differs"):
+        bench_rollout.check_greedy(cfg, greedy_check_args(), batch=2, new_tokens=6)

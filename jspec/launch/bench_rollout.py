@@ -524,9 +524,8 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
-    if args.check_greedy:  # float32 products in full precision, not TF32, on both sides
-        with jax.default_matmul_precision("highest"):
-            check_greedy(config_lib.load(args.config, args.overrides).model, args)
+    if args.check_greedy:
+        check_greedy(config_lib.load(args.config, args.overrides).model, args)
     model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
     log("models ready")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -566,36 +565,54 @@ def print_choices(rows) -> None:
 def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
     equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`, the cache part
-    of attention in XLA, not the Pallas kernel, the products not fused), float32."""
+    of attention in XLA, not the Pallas kernel, the products not fused), float32, its products in
+    full precision (not TF32) on both sides. The loops compile `--compile-threads` at a time."""
     cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
     model = create(cfg)
     draft = random_draft(cfg, args.draft_vocab)
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
+    highest = lambda: jax.default_matmul_precision("highest")  # a thread's own setting
+    log(f"greedy check: {batch} x {new_tokens} tokens, float32; the step-by-step loop")
+    with highest():
+        expected = step_by_step_greedy(model, prompts, new_tokens)
+    loops = {"plain": (None, TreeConfig()), **{k: (draft, t) for k, t in timed_trees(args).items()}}
+    key = jax.random.key(0)
+    config = lambda tree: RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
+
+    def compiled(loop):
+        with highest():
+            compile_generate(model, loop[0], prompts, lengths, key, config(loop[1]))
+
+    log(f"greedy check: compiling {', '.join(loops)}")
+    with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+        list(pool.map(compiled, loops.values()))
+    for name, (d, tree) in loops.items():
+        with highest():
+            got = generate(model, d, prompts, lengths, key, config(tree)).tokens
+        if not np.array_equal(np.asarray(got), expected):
+            raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
+    backend = decode_attention.trunk_backend(cfg.head_dim)
+    log(f"greedy check: {', '.join(loops)} (cache attention: {backend}) equal the step-by-step "
+        f"loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
+
+
+def step_by_step_greedy(model, prompts, new_tokens: int) -> np.ndarray:
+    """[B, new_tokens] greedy tokens of the model's own `prefill`, then `decode` one token at a
+    time, the cache part of attention in XLA."""
+    batch, t = prompts.shape
     graphdef, state = nnx.split(model)
     m = lambda state: nnx.merge(graphdef, state)
     prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
     decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
-    expected = []
+    tokens = []
     with attention_setting(backend="xla"):
-        logits, cache = prefill(state, model.init_cache(batch, args.prompt_len + new_tokens))
+        logits, cache = prefill(state, model.init_cache(batch, t + new_tokens))
         for _ in range(new_tokens):
-            expected.append(jnp.argmax(logits, axis=-1))
-            logits, cache = decode(state, expected[-1], cache)
-    expected = np.stack(jax.device_get(expected), axis=1)
-    for name, d, tree in (
-        ("plain", None, TreeConfig()),
-        *((k, draft, t) for k, t in timed_trees(args).items()),
-    ):
-        config = RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
-        got = generate(model, d, prompts, lengths, jax.random.key(0), config).tokens
-        if not np.array_equal(np.asarray(got), expected):
-            raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
-    backend = decode_attention.trunk_backend(cfg.head_dim)
-    trees = ", ".join(timed_trees(args))
-    print(f"greedy check: plain and {trees} (cache attention: {backend}) equal the "
-          f"step-by-step loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
+            tokens.append(jnp.argmax(logits, axis=-1))
+            logits, cache = decode(state, tokens[-1], cache)
+    return np.stack(jax.device_get(tokens), axis=1)
 
 
 def random_draft(cfg, draft_vocab: int):

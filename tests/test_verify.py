@@ -195,7 +195,8 @@ _reject_sampled_correct = acceptance._reject_sampled
 
 def _q_not_kept(p, q, x):
     residual, _ = _reject_sampled_correct(p, q, x)
-    return residual, acceptance._reject_point_mass(q, x)  # q as if drawn without x
+    q_without_x = jnp.where(jnp.arange(q.shape[-1]) == x[:, None], 0.0, q)
+    return residual, acceptance._renormalise(q_without_x, q)  # q as if drawn without x
 
 
 def _top_p_on_residual(top_p):
@@ -228,6 +229,11 @@ MUTATIONS = {
     "siblings deduplicated": (dict(), "sampled tree", dedup_siblings),
     "target distribution taken before temperature": (
         dict(_target_probs=_before_temperature),
+        "point-mass tree",
+        None,
+    ),
+    "rejected point-mass siblings' mass not removed": (
+        dict(_point_mass_acceptance=lambda at_parent, removed, repeated: at_parent),
         "point-mass tree",
         None,
     ),
@@ -311,11 +317,45 @@ def test_residual_without_mass_falls_back_to_the_target():
     p = jnp.array([[0.25, 0.25, 0.5, 0.0]])
     np.testing.assert_array_equal(acceptance._reject_sampled(p, p, jnp.array([2]))[0], p)
     point = jnp.array([[0.0, 1.0, 0.0, 0.0]])
-    np.testing.assert_array_equal(acceptance._reject_point_mass(point, jnp.array([1])), point)
+    np.testing.assert_array_equal(acceptance._renormalise(jnp.zeros_like(point), point), point)
     q = jnp.array([[0.5, 0.25, 0.25, 0.0]])
     residual, q_after = acceptance._reject_sampled(p, q, jnp.array([0]))
     np.testing.assert_allclose(residual, [[0.0, 0.0, 1.0, 0.0]])
     np.testing.assert_array_equal(q_after, q)
+
+
+def sequential_point_mass_walk(u, tokens, parents, p_all):
+    """The walk as the rules state it, one node at a time: (path, next-token distribution)."""
+    current, p, path = -1, p_all[0], []
+    for i, (x, parent) in enumerate(zip(tokens, parents, strict=True)):
+        if parent != current or x < 0:
+            continue
+        if u[i] < p[x]:
+            path, current, p = path + [i], i, p_all[i + 1]
+        else:
+            rest = np.where(np.arange(p.size) == x, 0.0, p)
+            p = rest / rest.sum() if rest.sum() > 1e-6 else p
+    return path, p
+
+
+def test_point_mass_walk_at_once_equals_the_walk_one_node_at_a_time():
+    """Random trees (siblings anywhere in the order, repeated sibling tokens, padding nodes and
+    their subtrees) and draws: the same path and the same next-token distribution."""
+    b, n = 2000, 9
+    rng = np.random.default_rng(11)
+    parents = np.stack([rng.integers(-1, np.arange(n)) for _ in range(b)])  # parent < own index
+    tokens = rng.integers(-1, V, (b, n))
+    p_all = rng.dirichlet(np.full(V, 0.5), (b, n + 1)).astype(np.float32)
+    u = rng.random((b, n), np.float32)
+    path, num, p_next = map(np.asarray, acceptance._walk_point_mass(u, tokens, parents, p_all))
+    lengths = []
+    for row in range(b):
+        want, p_want = sequential_point_mass_walk(u[row], tokens[row], parents[row], p_all[row])
+        lengths.append(len(want))
+        np.testing.assert_array_equal(path[row], want + [-1] * (n - len(want)))
+        assert num[row] == len(want)
+        np.testing.assert_allclose(p_next[row], p_want, rtol=1e-5, atol=1e-6)
+    assert max(lengths) >= 3 and min(lengths) == 0
 
 
 def test_jit_with_traced_parents_compiles_once_per_shape():

@@ -6,15 +6,19 @@ node indices visits every candidate in the right order: starting at the root, th
 tested iff it is a (non-padding) child of the current node; when it is accepted it becomes the
 current node, and since its own children come later in index order the same pass continues below
 it, while its remaining siblings are skipped because their parent is no longer current. The
-siblings of a node are therefore tried in index order, each uses its own uniform, and the walk
-costs N steps of O(V) with static shapes.
+siblings of a node are therefore tried in index order, each uses its own uniform. The walk only
+moves down, so a tested node's earlier (non-padding) siblings were all tested and rejected.
 
 The rules, one function each:
 - point-mass proposals (`draft_probs=None`): accept child x with probability p(x); on rejection
-  p(x) <- 0 and renormalise (the next sibling is then tested against the remaining mass).
+  p(x) <- 0 and renormalise (the next sibling is then tested against the remaining mass). What a
+  node would face if tested is known beforehand (p at its parent without its earlier siblings'
+  tokens), so every node's test is drawn at once and the walk is a few [B, N, N] steps, with one
+  pass over the vocabulary, for the next token (`_walk_point_mass`).
 - sampled proposals (siblings drawn i.i.d. from q; a chain is the one-sibling case, Leviathan /
   Chen): accept with probability min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)) and q
-  is kept unchanged (SpecInfer multi-step speculative sampling).
+  is kept unchanged (SpecInfer multi-step speculative sampling). Each residual depends on the one
+  before, so this walk costs N steps of O(V) (`_walk_sampled`).
 - the next token is drawn from p as it stands at the last accepted node: the target itself (a
   bonus token) if no child there was rejected, the residual otherwise.
 """
@@ -66,17 +70,6 @@ def _renormalise(r: Float[Array, "b v"], fallback: Float[Array, "b v"]) -> Float
     return jnp.where(mass > _RESIDUAL_FLOOR, r / jnp.where(mass > 0, mass, 1.0), fallback)
 
 
-def _accept_point_mass(
-    u: Float[Array, " b"], p: Float[Array, "b v"], x: Int[Array, " b"]
-) -> Bool[Array, " b"]:
-    return u < _at(p, x)
-
-
-def _reject_point_mass(p: Float[Array, "b v"], x: Int[Array, " b"]) -> Float[Array, "b v"]:
-    """p(x) <- 0, renormalised: the next sibling is tested against the target's remaining mass."""
-    return _renormalise(jnp.where(jnp.arange(p.shape[-1]) == x[:, None], 0.0, p), p)
-
-
 def _accept_sampled(
     u: Float[Array, " b"], p: Float[Array, "b v"], q: Float[Array, "b v"], x: Int[Array, " b"]
 ) -> Bool[Array, " b"]:
@@ -93,38 +86,86 @@ def _reject_sampled(
     return _renormalise(jnp.maximum(p - q, 0.0), p), q
 
 
-def _walk(
+def _point_mass_acceptance(
+    at_parent: Float[Array, "b n"], removed: Float[Array, "b n"], repeated: Bool[Array, "b n"]
+) -> Float[Array, "b n"]:
+    """A node's chance of acceptance if tested: p(x) at its parent once its earlier siblings'
+    tokens (`removed`: their distinct tokens' mass) were zeroed and p renormalised, 0 for a token
+    already rejected (`repeated`); p(x) itself where the rest carries no more than numerical noise
+    (as `_renormalise` falls back)."""
+    rest = 1.0 - removed
+    renormalised = jnp.where(repeated, 0.0, at_parent / jnp.where(rest > 0, rest, 1.0))
+    return jnp.where(rest > _RESIDUAL_FLOOR, renormalised, at_parent)
+
+
+def _on_path(first: Bool[Array, "b n"], parents: Int[Array, "b n"]) -> Bool[Array, "b n"]:
+    """Nodes that are `first` and whose ancestors all are: by pointer jumping, log2(N) rounds."""
+    b, n = first.shape
+    root = jnp.full((b, 1), n, jnp.int32)  # index n stands for the root, always on the path
+    ok = jnp.concatenate([first, jnp.ones((b, 1), bool)], axis=1)
+    up = jnp.concatenate([jnp.where(parents >= 0, parents, n), root], axis=1)
+    for _ in range(n.bit_length()):
+        ok = ok & jnp.take_along_axis(ok, up, axis=1)
+        up = jnp.take_along_axis(up, up, axis=1)
+    return ok[:, :n]
+
+
+def _walk_point_mass(
     u: Float[Array, "b n"],
     tokens: Int[Array, "b n"],
     parents: Int[Array, "b n"],
     p_all: Float[Array, "b n1 v"],
-    q_all: Float[Array, "b n1 v"] | None,
 ) -> tuple[Int[Array, "b n"], Int[Array, " b"], Float[Array, "b v"]]:
-    """Returns (path, num_accepted, the distribution of the next token), for every row at once."""
+    """The walk of point-mass proposals, every node at once: (path, num_accepted, the distribution
+    of the next token). A node would be accepted if tested when its uniform falls below
+    `_point_mass_acceptance`; it is accepted when it would be, no earlier sibling would be (that
+    one is tested first and taken) and the same holds of all its ancestors."""
+    b, n = tokens.shape
+    valid, x = tokens >= 0, jnp.maximum(tokens, 0)
+    at_parent = p_all[jnp.arange(b)[:, None], parents + 1, x]  # p(x_i) at i's parent
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [i, j]: j < i
+    sibling = (parents[:, :, None] == parents[:, None, :]) & earlier & valid[:, None, :]
+    repeated = jnp.any(sibling & (x[:, :, None] == x[:, None, :]), axis=2)
+    removed = jnp.sum(jnp.where(sibling & ~repeated[:, None, :], at_parent[:, None, :], 0.0), 2)
+    would = valid & (u < _point_mass_acceptance(at_parent, removed, repeated))
+    accepted = _on_path(would & ~jnp.any(sibling & would[:, None, :], axis=2), parents)
+    index = jnp.arange(n)
+    rank = jnp.cumsum(accepted, axis=1) - 1
+    at_rank = accepted[:, None, :] & (rank[:, None, :] == index[:, None])  # [b, rank, node]
+    path = jnp.max(jnp.where(at_rank, index, -1), axis=2, initial=-1)
+    last = jnp.max(jnp.where(accepted, index, -1), axis=1, initial=-1)  # -1: the root
+    p = jnp.take_along_axis(p_all, (last + 1)[:, None, None], axis=1)[:, 0]
+    # Every valid child of the last accepted node was tested and rejected.
+    rejected = valid & (parents == last[:, None])
+    zeroed = jnp.any(rejected[..., None] & (x[..., None] == jnp.arange(p.shape[-1])), axis=1)
+    return path, jnp.sum(accepted, axis=1), _renormalise(jnp.where(zeroed, 0.0, p), p)
+
+
+def _walk_sampled(
+    u: Float[Array, "b n"],
+    tokens: Int[Array, "b n"],
+    parents: Int[Array, "b n"],
+    p_all: Float[Array, "b n1 v"],
+    q_all: Float[Array, "b n1 v"],
+) -> tuple[Int[Array, "b n"], Int[Array, " b"], Float[Array, "b v"]]:
+    """The walk of sampled proposals, one node a step: (path, num_accepted, the distribution of
+    the next token), for every row at once."""
     b, n = tokens.shape
 
     def step(i, carry):
         current, p, q, path, num = carry
         x = jnp.maximum(tokens[:, i], 0)
         tested = (parents[:, i] + 1 == current) & (tokens[:, i] >= 0)
-        if q_all is None:
-            accepted = tested & _accept_point_mass(u[:, i], p, x)
-            p_rejected, q_rejected = _reject_point_mass(p, x), q
-        else:
-            accepted = tested & _accept_sampled(u[:, i], p, q, x)
-            p_rejected, q_rejected = _reject_sampled(p, q, x)
+        accepted = tested & _accept_sampled(u[:, i], p, q, x)
+        p_rejected, q_rejected = _reject_sampled(p, q, x)
         rejected = (tested & ~accepted)[:, None]
         p = jnp.where(accepted[:, None], p_all[:, i + 1], jnp.where(rejected, p_rejected, p))
-        if q_all is not None:
-            q = jnp.where(accepted[:, None], q_all[:, i + 1], jnp.where(rejected, q_rejected, q))
+        q = jnp.where(accepted[:, None], q_all[:, i + 1], jnp.where(rejected, q_rejected, q))
         path = jnp.where(accepted[:, None] & (jnp.arange(n) == num[:, None]), i, path)
         return jnp.where(accepted, i + 1, current), p, q, path, num + accepted
 
-    q0 = None if q_all is None else q_all[:, 0]
     zeros = jnp.zeros((b,), jnp.int32)
-    if n == 0:  # no draft nodes (plain decoding): the next token comes from the root
-        return jnp.zeros((b, 0), jnp.int32), zeros, p_all[:, 0]
-    init = (zeros, p_all[:, 0], q0, jnp.full((b, n), -1, jnp.int32), zeros)
+    init = (zeros, p_all[:, 0], q_all[:, 0], jnp.full((b, n), -1, jnp.int32), zeros)
     _, p, _, path, num = jax.lax.fori_loop(0, n, step, init)
     return path, num, p
 
@@ -134,10 +175,12 @@ def _verify(key, tokens, parents, target_logits, draft_probs, *, temperature, to
     walk_key, next_key = jax.random.split(key)
     u = jax.random.uniform(walk_key, tokens.shape)
     p_all = _target_probs(target_logits, temperature, top_p, top_k)
-    q_all = None if draft_probs is None else draft_probs.astype(jnp.float32)
-    path, num_accepted, p_next = _walk(
-        u, tokens.astype(jnp.int32), parents.astype(jnp.int32), p_all, q_all
-    )
+    tokens, parents = tokens.astype(jnp.int32), parents.astype(jnp.int32)
+    if draft_probs is None:
+        path, num_accepted, p_next = _walk_point_mass(u, tokens, parents, p_all)
+    else:
+        q_all = draft_probs.astype(jnp.float32)
+        path, num_accepted, p_next = _walk_sampled(u, tokens, parents, p_all, q_all)
     return Verdict(path, num_accepted, sample_from_probs(next_key, p_next))
 
 

@@ -3,6 +3,7 @@ distinct prompts), the speedup the costs predict, the naming of profiled kernels
 and the greedy check of the rollout path against a step-by-step loop."""
 
 import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -62,15 +63,17 @@ def greedy_check_args(*trees):
 
 
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch):
-    cfg = config_lib.load("tiny").model
+    cfg = dataclasses.replace(config_lib.load("tiny").model, num_layers=3)  # 3 taps, quick compiles
+    step_by_step, recorded = bench_rollout.step_by_step_greedy, []
+    monkeypatch.setattr(
+        bench_rollout,
+        "step_by_step_greedy",
+        lambda *a: recorded.append(step_by_step(*a)) or recorded[-1],
+    )
     bench_rollout.check_greedy(cfg, greedy_check_args("chain 4"), batch=2, new_tokens=6)
 
-    generate = bench_rollout.generate
-
-    def one_token_off(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        return out._replace(tokens=out.tokens.at[1, 3].add(1))
-
-    monkeypatch.setattr(bench_rollout, "generate", one_token_off)
+    changed = recorded[0].copy()
+    changed[1, 3] += 1  # the plain loop, compiled above, runs again against one changed token
+    monkeypatch.setattr(bench_rollout, "step_by_step_greedy", lambda *a: changed)
     with pytest.raises(SystemExit, match="plain differs"):
         bench_rollout.check_greedy(cfg, greedy_check_args(), batch=2, new_tokens=6)

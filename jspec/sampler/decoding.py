@@ -358,9 +358,11 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     logits, k, v = out[:3]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = verify(verify_key, tree.tokens, tree.parents, logits, tree.draft_probs, **sampling)
-    emitted = emitted_tokens(tree.tokens, verdict)  # [B, N+1]
+    # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
+    width = 1 + (_tree_depth(config.tree) if draft is not None else 0)
+    emitted = emitted_tokens(tree.tokens, verdict)[:, :width]
     # Node (branch index) before each emitted token: the root, then the accepted path.
-    source = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path + 1], axis=1)
+    source = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path[:, : width - 1] + 1], 1)
     source = jnp.maximum(source, 0)
     count = _emit_count(emitted, verdict.num_accepted + 1, s.length, s.done, config)
 

@@ -340,13 +340,17 @@ def sequential_point_mass_walk(u, tokens, parents, p_all):
 
 def test_point_mass_walk_at_once_equals_the_walk_one_node_at_a_time():
     """Random trees (siblings anywhere in the order, repeated sibling tokens, padding nodes and
-    their subtrees) and draws: the same path and the same next-token distribution."""
+    their subtrees) and draws, and chains of every node that stop at each depth: the same path and
+    the same next-token distribution."""
     b, n = 2000, 9
     rng = np.random.default_rng(11)
     parents = np.stack([rng.integers(-1, np.arange(n)) for _ in range(b)])  # parent < own index
     tokens = rng.integers(-1, V, (b, n))
     p_all = rng.dirichlet(np.full(V, 0.5), (b, n + 1)).astype(np.float32)
     u = rng.random((b, n), np.float32)
+    # Rows 0..n: a chain of n valid nodes; node k (none in row n) fails its test, all others pass.
+    parents[: n + 1], tokens[: n + 1] = np.arange(-1, n - 1), np.abs(tokens[: n + 1])
+    u[: n + 1] = np.eye(n + 1, n, dtype=np.float32)
     path, num, p_next = map(np.asarray, acceptance._walk_point_mass(u, tokens, parents, p_all))
     lengths = []
     for row in range(b):
@@ -355,7 +359,17 @@ def test_point_mass_walk_at_once_equals_the_walk_one_node_at_a_time():
         np.testing.assert_array_equal(path[row], want + [-1] * (n - len(want)))
         assert num[row] == len(want)
         np.testing.assert_allclose(p_next[row], p_want, rtol=1e-5, atol=1e-6)
-    assert max(lengths) >= 3 and min(lengths) == 0
+    assert lengths[: n + 1] == list(range(n + 1)) and min(lengths[n + 1 :]) == 0
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_no_nodes_take_the_next_token_at_the_root(with_draft_probs):
+    logits = np.random.default_rng(8).standard_normal((3, 1, V), np.float32)
+    probs = np.full(logits.shape, 1 / V, np.float32) if with_draft_probs else None
+    empty = np.zeros((3, 0), np.int32)
+    verdict = verify(jax.random.key(8), empty, empty, logits, probs, temperature=0)
+    assert verdict.path.shape == (3, 0) and not np.asarray(verdict.num_accepted).any()
+    np.testing.assert_array_equal(verdict.next_token, logits[:, 0].argmax(-1))
 
 
 def test_jit_with_traced_parents_compiles_once_per_shape():

@@ -136,8 +136,8 @@ def _walk_point_mass(
     last = jnp.max(jnp.where(accepted, index, -1), axis=1, initial=-1)  # -1: the root
     p = jnp.take_along_axis(p_all, (last + 1)[:, None, None], axis=1)[:, 0]
     # Every valid child of the last accepted node was tested and rejected.
-    rejected = valid & (parents == last[:, None])
-    zeroed = jnp.any(rejected[..., None] & (x[..., None] == jnp.arange(p.shape[-1])), axis=1)
+    rejected = jnp.where(valid & (parents == last[:, None]), x, p.shape[-1])
+    zeroed = jnp.zeros(p.shape, bool).at[jnp.arange(b)[:, None], rejected].set(True, mode="drop")
     return path, jnp.sum(accepted, axis=1), _renormalise(jnp.where(zeroed, 0.0, p), p)
 
 
@@ -165,6 +165,8 @@ def _walk_sampled(
         return jnp.where(accepted, i + 1, current), p, q, path, num + accepted
 
     zeros = jnp.zeros((b,), jnp.int32)
+    if n == 0:  # no draft nodes: the next token comes from the root
+        return jnp.zeros((b, 0), jnp.int32), zeros, p_all[:, 0]
     init = (zeros, p_all[:, 0], q_all[:, 0], jnp.full((b, n), -1, jnp.int32), zeros)
     _, p, _, path, num = jax.lax.fori_loop(0, n, step, init)
     return path, num, p

@@ -55,25 +55,23 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
     assert bench_rollout.hlo_ops(kernels) == {}
 
 
-def greedy_check_args(*trees):
-    return bench_rollout.parse_args(
-        ["--device", "cpu", "--config", "tiny", "--prompt-len", "12", "--compile-threads", "2"]
-        + (["--trees", *trees] if trees else ["--no-spec"])
-    )
+# The plain loop only: the trees' greedy identity is `test_generate`'s.
+GREEDY_CHECK_ARGS = ["--device", "cpu", "--config", "tiny", "--prompt-len", "12", "--no-spec"]
 
 
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch):
     cfg = dataclasses.replace(config_lib.load("tiny").model, num_layers=3)  # 3 taps, quick compiles
+    args = bench_rollout.parse_args(GREEDY_CHECK_ARGS)
     step_by_step, recorded = bench_rollout.step_by_step_greedy, []
     monkeypatch.setattr(
         bench_rollout,
         "step_by_step_greedy",
         lambda *a: recorded.append(step_by_step(*a)) or recorded[-1],
     )
-    bench_rollout.check_greedy(cfg, greedy_check_args("chain 4"), batch=2, new_tokens=6)
+    bench_rollout.check_greedy(cfg, args, batch=2, new_tokens=6)
 
     changed = recorded[0].copy()
     changed[1, 3] += 1  # the plain loop, compiled above, runs again against one changed token
     monkeypatch.setattr(bench_rollout, "step_by_step_greedy", lambda *a: changed)
     with pytest.raises(SystemExit, match="plain differs"):
-        bench_rollout.check_greedy(cfg, greedy_check_args(), batch=2, new_tokens=6)
+        bench_rollout.check_greedy(cfg, args, batch=2, new_tokens=6)

@@ -53,8 +53,7 @@ from jspec.models.transformer import (
     cache_attention,
     create,
     create_sharded,
-    fuse_gate_up,
-    fuse_qkv,
+    fuse_products,
     last_valid,
     rms_norm,
     rollout_weights,
@@ -306,15 +305,11 @@ class Eagle3Draft(nnx.Module):
 
     def for_rollout(self) -> Eagle3Draft:
         """A copy of this draft for a loop of rollout steps: its input products fused as the
-        target's are (`Block.fused`: two products instead of five, each step drafts one to a
+        target's are (`fuse_products`: two products instead of five, each step drafts one to a
         few times), its weights cast to the compute dtype once (`rollout_weights`)."""
-        draft = nnx.merge(*nnx.split(self))
-        qkv = fuse_qkv(self.wq[...], self.wk[...], self.wv[...])
-        qkv = mesh_lib.constrain(qkv, self.mesh, (None, "kv_heads", None, "head_dim"))
-        gate_up = fuse_gate_up(self.w_gate[...], self.w_up[...])
-        draft.w_qkv = nnx.Param(qkv)
-        draft.w_gate_up = nnx.Param(mesh_lib.constrain(gate_up, self.mesh, ("embed", None, "mlp")))
-        draft.wq = draft.wk = draft.wv = draft.w_gate = draft.w_up = None
+        constrain = lambda x, names: mesh_lib.constrain(x, self.mesh, names)
+        # q/k/v read [embedding, hidden state] (2D), which the mesh does not split
+        draft = fuse_products(nnx.merge(*nnx.split(self)), constrain, input_axis=None)
         graphdef, state = nnx.split(draft)
         return nnx.merge(graphdef, rollout_weights(state, self._dtype))
 

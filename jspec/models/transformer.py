@@ -231,29 +231,26 @@ class Block(nnx.Module):
         memory bandwidth, while plain XLA with fused matrices streams the Qwen3-8B weights at 97%
         of it. `constrain(x, logical axis names)` places the fused weights on a mesh, as the
         unfused ones are (a KV head's group, a slice of the MLP width, on one device)."""
-        layer = nnx.merge(*nnx.split(self))
-        qkv = fuse_qkv(self.wq[...], self.wk[...], self.wv[...])
-        layer.w_qkv = nnx.Param(constrain(qkv, ("embed", "kv_heads", None, "head_dim")))
-        layer.wq = layer.wk = layer.wv = None
-        if self.moe is None:
-            gate_up = fuse_gate_up(self.w_gate[...], self.w_up[...])
-            layer.w_gate_up = nnx.Param(constrain(gate_up, ("embed", None, "mlp")))
-            layer.w_gate = layer.w_up = None
-        return layer
+        return fuse_products(nnx.merge(*nnx.split(self)), constrain, mlp=self.moe is None)
 
 
-def fuse_qkv(wq_DHE, wk_DKE, wv_DKE) -> Float[Array, "d k g2 e"]:
-    """The q, k and v products as one [D, K, G+2, E]: each KV head's G query heads, then its k and
-    v (a mesh that splits the KV heads keeps every group whole); `project_qkv` reads it."""
+def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None = "embed"):
+    """`layer` (a copy, changed in place) with wq, wk, wv replaced by w_qkv [D, K, G+2, E] (each KV
+    head's G query heads, then its k and v; `project_qkv` reads it) and, with `mlp`, w_gate and
+    w_up by w_gate_up [D, 2, F] (`swiglu` reads it). `constrain(x, logical axis names)` places
+    them; `input_axis` names the q/k/v products' input axis."""
+    wq_DHE, wk_DKE, wv_DKE = layer.wq[...], layer.wk[...], layer.wv[...]
     d, h, e = wq_DHE.shape
     k = wk_DKE.shape[1]
     q_DKGE = wq_DHE.reshape(d, k, h // k, e)
-    return jnp.concatenate([q_DKGE, wk_DKE[:, :, None], wv_DKE[:, :, None]], axis=2)
-
-
-def fuse_gate_up(w_gate_DF, w_up_DF) -> Float[Array, "d 2 f"]:
-    """The gate and up products as one [D, 2, F]; `swiglu` reads it."""
-    return jnp.stack([w_gate_DF, w_up_DF], axis=1)
+    qkv = jnp.concatenate([q_DKGE, wk_DKE[:, :, None], wv_DKE[:, :, None]], axis=2)
+    layer.w_qkv = nnx.Param(constrain(qkv, (input_axis, "kv_heads", None, "head_dim")))
+    layer.wq = layer.wk = layer.wv = None
+    if mlp:
+        gate_up = jnp.stack([layer.w_gate[...], layer.w_up[...]], axis=1)
+        layer.w_gate_up = nnx.Param(constrain(gate_up, ("embed", None, "mlp")))
+        layer.w_gate = layer.w_up = None
+    return layer
 
 
 def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):

@@ -588,6 +588,7 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     log(f"greedy check: compiling {', '.join(loops)}")
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
         list(pool.map(compiled, loops.values()))
+    log("greedy check: compiled; running")
     for name, (d, tree) in loops.items():
         with highest():
             got = generate(model, d, prompts, lengths, key, config(tree)).tokens
@@ -600,18 +601,24 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
 
 def step_by_step_greedy(model, prompts, new_tokens: int) -> np.ndarray:
     """[B, new_tokens] greedy tokens of the model's own `prefill`, then `decode` one token at a
-    time, the cache part of attention in XLA."""
+    time, the cache part of attention in XLA. It is the reference, so it compiles without XLA's
+    search of GEMM tilings on the GPU: its speed does not matter."""
     batch, t = prompts.shape
     graphdef, state = nnx.split(model)
     m = lambda state: nnx.merge(graphdef, state)
-    prefill = jax.jit(lambda s, c: m(s).prefill(prompts, c))
-    decode = jax.jit(lambda s, tok, c: m(s).decode(tok, c))
-    tokens = []
+    untuned = lambda f, *args: jax.jit(f).lower(state, *args).compile({"xla_gpu_autotune_level": 0})
+    start = time.perf_counter()
     with attention_setting(backend="xla"):
-        logits, cache = prefill(state, model.init_cache(batch, t + new_tokens))
-        for _ in range(new_tokens):
-            tokens.append(jnp.argmax(logits, axis=-1))
-            logits, cache = decode(state, tokens[-1], cache)
+        cache = model.init_cache(batch, t + new_tokens)
+        prefill = untuned(lambda s, c: m(s).prefill(prompts, c), cache)
+        token = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        decode = untuned(lambda s, tok, c: m(s).decode(tok, c), token, cache)
+    log(f"greedy check: the step-by-step loop compiled in {time.perf_counter() - start:.0f} s")
+    logits, cache = prefill(state, cache)
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(jnp.argmax(logits, axis=-1))
+        logits, cache = decode(state, tokens[-1], cache)
     return np.stack(jax.device_get(tokens), axis=1)
 
 

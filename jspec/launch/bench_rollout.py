@@ -606,7 +606,8 @@ def step_by_step_greedy(model, prompts, new_tokens: int) -> np.ndarray:
     batch, t = prompts.shape
     graphdef, state = nnx.split(model)
     m = lambda state: nnx.merge(graphdef, state)
-    untuned = lambda f, *args: jax.jit(f).lower(state, *args).compile({"xla_gpu_autotune_level": 0})
+    no_search = {"xla_gpu_autotune_level": 0}
+    untuned = lambda f, *args: jax.jit(f).lower(state, *args).compile(compiler_options=no_search)
     start = time.perf_counter()
     with attention_setting(backend="xla"):
         cache = model.init_cache(batch, t + new_tokens)

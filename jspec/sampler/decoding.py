@@ -241,7 +241,7 @@ def rollout(
     start = functools.partial(_start, target, draft, embed, config, t + m)
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
-    depth = _tree_depth(config.tree) if draft is not None else 0
+    depth = _tree_depth(config.tree, draft)
     zeros = jnp.zeros((p,), jnp.int32)
     stats = RolloutStats(
         steps=zeros,
@@ -359,7 +359,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = verify(verify_key, tree.tokens, tree.parents, logits, tree.draft_probs, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
-    width = 1 + (_tree_depth(config.tree) if draft is not None else 0)
+    width = 1 + _tree_depth(config.tree, draft)
     emitted = emitted_tokens(tree.tokens, verdict)[:, :width]
     # Node (branch index) before each emitted token: the root, then the accepted path.
     source = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path[:, : width - 1] + 1], 1)
@@ -464,7 +464,10 @@ def _static_shape(tree: TreeConfig) -> StaticTree:
     return StaticTree.chain(tree.depth) if tree.kind == "chain" else StaticTree(tree.parents)
 
 
-def _tree_depth(tree: TreeConfig) -> int:
+def _tree_depth(tree: TreeConfig, draft) -> int:
+    """Levels of the draft's tree below the root; 0 without a draft (plain decoding)."""
+    if draft is None:
+        return 0
     return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
 
 

@@ -3,12 +3,10 @@ distinct prompts), the speedup the costs predict, the naming of profiled kernels
 and the greedy check of the rollout path against a step-by-step loop."""
 
 import argparse
-import dataclasses
 
 import numpy as np
 import pytest
 
-from jspec import config as config_lib
 from jspec.launch import bench_rollout
 
 ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
@@ -55,23 +53,33 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
     assert bench_rollout.hlo_ops(kernels) == {}
 
 
-# The plain loop only: the trees' greedy identity is `test_generate`'s.
-GREEDY_CHECK_ARGS = ["--device", "cpu", "--config", "tiny", "--prompt-len", "12", "--no-spec"]
+# 3 layers (3 taps): quick compiles. The plain loop only: the trees' greedy identity is
+# `test_generate`'s.
+GREEDY_CHECK_ARGS = [
+    "--device",
+    "cpu",
+    "--config",
+    "tiny",
+    "--prompt-len",
+    "12",
+    "model.num_layers=3",
+]
 
 
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch):
-    cfg = dataclasses.replace(config_lib.load("tiny").model, num_layers=3)  # 3 taps, quick compiles
     args = bench_rollout.parse_args(GREEDY_CHECK_ARGS)
+    args.trees = []
+    models = bench_rollout.random_models(args, dtype="float32")
     step_by_step, recorded = bench_rollout.step_by_step_greedy, []
     monkeypatch.setattr(
         bench_rollout,
         "step_by_step_greedy",
         lambda *a: recorded.append(step_by_step(*a)) or recorded[-1],
     )
-    bench_rollout.check_greedy(cfg, args, batch=2, new_tokens=6)
+    bench_rollout.check_greedy(*models, args, batch=2, new_tokens=6)
 
     changed = recorded[0].copy()
     changed[1, 3] += 1  # the plain loop, compiled above, runs again against one changed token
     monkeypatch.setattr(bench_rollout, "step_by_step_greedy", lambda *a: changed)
     with pytest.raises(SystemExit, match="plain differs"):
-        bench_rollout.check_greedy(cfg, args, batch=2, new_tokens=6)
+        bench_rollout.check_greedy(*models, args, batch=2, new_tokens=6)

@@ -2,15 +2,17 @@
 time limit or dies in the middle of a stage resumes from its newest step checkpoint and ends where
 the uninterrupted run ends."""
 
+import argparse
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jspec.config import ConfigError
-from jspec.launch import train_code_lm
+from jspec.launch import bench_rollout, train_code_lm
 from jspec.models import hf_eagle3
 
 ARGS = [
@@ -66,6 +68,16 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     load = lambda run: jax.tree.leaves(hf_eagle3.load(run / "draft")[0])
     for a, b in zip(load(whole), load(killed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+    # the run as `bench_rollout --trained --check-greedy` reads it: float32 models, held-out prompts
+    bench = argparse.Namespace(trained=whole, prompt_len=16, batches=[1], prompts_per_row=1,
+                               acceptance_rows=2)  # fmt: skip
+    target, draft, prompts = bench_rollout.trained(bench, dtype="float32")
+    weights = jax.tree.leaves(nnx.state(target, nnx.Param)) + jax.tree.leaves(
+        nnx.state(draft, nnx.Param)
+    )
+    assert {w.dtype for w in weights} == {np.dtype("float32")}
+    assert prompts.shape == (2, 16) and prompts.max() < 512
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):

@@ -132,8 +132,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--check-greedy",
         action="store_true",
-        help="first check, in float32, that greedy tokens of the rollout path (plain and "
-        "speculative) equal a step-by-step loop of the model's own prefill and decode",
+        help="first check, in float32, that greedy tokens of the rollout path (plain, and each "
+        "tree of --trees even with --no-spec) equal a step-by-step loop of the model's own prefill "
+        "and decode; with --trained, of the trained target and draft",
     )
     p.add_argument("--out", default="bench_rollout.json")
     return p.parse_args(argv)
@@ -524,9 +525,10 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
+    models = trained if args.trained else random_models
     if args.check_greedy:
-        check_greedy(config_lib.load(args.config, args.overrides).model, args)
-    model, draft, prompt_rows = trained(args) if args.trained else random_models(args)
+        check_greedy(*models(args, dtype="float32"), args)
+    model, draft, prompt_rows = models(args)
     log("models ready")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     rows = []
@@ -562,22 +564,21 @@ def print_choices(rows) -> None:
         print(f"batch {r['batch']:4d}: chosen {tree or 'plain decoding'}, speedup {speedup:.2f}x")
 
 
-def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
-    """Raises unless the greedy tokens of `generate` (plain, and with a random EAGLE-3 draft)
-    equal those of a step-by-step loop of `prefill` and `decode` (no `for_rollout`, the cache part
-    of attention in XLA, not the Pallas kernel, the products not fused), float32, its products in
-    full precision (not TF32) on both sides. The loops compile `--compile-threads` at a time."""
-    cfg = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
-    model = create(cfg)
-    draft = random_draft(cfg, args.draft_vocab)
-    rng = np.random.default_rng(1)
-    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)), jnp.int32)
+def check_greedy(model, draft, prompt_rows, args, batch: int = 4, new_tokens: int = 32) -> None:
+    """Raises unless the greedy tokens of `generate` (plain, and with the draft through every tree
+    of `--trees`, `--no-spec` or not) equal those of a step-by-step loop of `prefill` and `decode`
+    (no `for_rollout`, the cache part of attention in XLA, not the Pallas kernel, the products not
+    fused) on the first `batch` prompts. The models are float32, the products in full precision
+    (not TF32) on both sides. With `--trained`, drafts are accepted, so the acceptance walk and the
+    accepted path's move into the cache are checked too; each tree's accepted tokens are logged.
+    The loops compile `--compile-threads` at a time."""
+    prompts = jnp.asarray(np.resize(prompt_rows, (batch, args.prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
     highest = lambda: jax.default_matmul_precision("highest")  # a thread's own setting
     log(f"greedy check: {batch} x {new_tokens} tokens, float32; the step-by-step loop")
     with highest():
         expected = step_by_step_greedy(model, prompts, new_tokens)
-    loops = {"plain": (None, TreeConfig()), **{k: (draft, t) for k, t in timed_trees(args).items()}}
+    loops = {"plain": (None, TreeConfig()), **{k: (draft, TREES[k]) for k in args.trees}}
     key = jax.random.key(0)
     config = lambda tree: RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
 
@@ -591,10 +592,12 @@ def check_greedy(cfg, args, batch: int = 4, new_tokens: int = 32) -> None:
     log("greedy check: compiled; running")
     for name, (d, tree) in loops.items():
         with highest():
-            got = generate(model, d, prompts, lengths, key, config(tree)).tokens
-        if not np.array_equal(np.asarray(got), expected):
+            got = generate(model, d, prompts, lengths, key, config(tree))
+        if not np.array_equal(np.asarray(got.tokens), expected):
             raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
-    backend = decode_attention.trunk_backend(cfg.head_dim)
+        log(f"greedy check: {name} equal; {float(got.stats.accepted.sum()):.0f} drafted tokens "
+            f"accepted in {float(got.stats.steps.sum()):.0f} verify steps")  # fmt: skip
+    backend = decode_attention.trunk_backend(model.config.head_dim)
     log(f"greedy check: {', '.join(loops)} (cache attention: {backend}) equal the step-by-step "
         f"loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
 
@@ -633,21 +636,24 @@ def prompt_count(args) -> int:
     return max(queue_length(b, args) for b in args.batches)
 
 
-def random_models(args):
-    """Target and draft of random weights (speed only), random prompts."""
+def random_models(args, dtype: str | None = None):
+    """Target and draft of random weights (speed only), random prompts; `dtype` (parameters and
+    compute) replaces the config's."""
     cfg = config_lib.load(args.config, args.overrides).model
+    if dtype:
+        cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
     draft = random_draft(cfg, args.draft_vocab)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (prompt_count(args), args.prompt_len))
     return create(cfg), draft, prompts
 
 
-def trained(args):
-    """Target and draft of `jspec.launch.train_code_lm` in bfloat16, and prompts: the first
+def trained(args, dtype: str = "bfloat16"):
+    """Target and draft of `jspec.launch.train_code_lm` in `dtype`, and prompts: the first
     `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
     run = pathlib.Path(args.trained)
-    target = hf.load(run / "target", dtype="bfloat16")
-    draft, _ = hf_eagle3.load(run / "draft", dtype="bfloat16")
+    target = hf.load(run / "target", dtype=dtype)
+    draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
     eos = json.loads((run / "report.json").read_text())["eos_token"]
     tok = HFTokenizer(run / "tokenizer.json", eos)
     texts = json.loads((run / "heldout.json").read_text())

@@ -73,10 +73,8 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     bench = argparse.Namespace(trained=whole, prompt_len=16, batches=[1], prompts_per_row=1,
                                acceptance_rows=2)  # fmt: skip
     target, draft, prompts = bench_rollout.trained(bench, dtype="float32")
-    weights = jax.tree.leaves(nnx.state(target, nnx.Param)) + jax.tree.leaves(
-        nnx.state(draft, nnx.Param)
-    )
-    assert {w.dtype for w in weights} == {np.dtype("float32")}
+    params = lambda model: jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert {w.dtype for w in params(target) + params(draft)} == {np.dtype("float32")}
     assert prompts.shape == (2, 16) and prompts.max() < 512
 
 

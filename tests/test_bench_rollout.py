@@ -1,6 +1,7 @@
 """The measuring parts of `launch/bench_rollout.py`: which prompts each batch runs (a queue of
 distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump,
-and the greedy check of the rollout path against a step-by-step loop."""
+and the greedy check of the rollout path (plain and a tree, even with `--no-spec`) against a
+step-by-step loop."""
 
 import argparse
 
@@ -53,22 +54,13 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
     assert bench_rollout.hlo_ops(kernels) == {}
 
 
-# 3 layers (3 taps): quick compiles. The plain loop only: the trees' greedy identity is
-# `test_generate`'s.
-GREEDY_CHECK_ARGS = [
-    "--device",
-    "cpu",
-    "--config",
-    "tiny",
-    "--prompt-len",
-    "12",
-    "model.num_layers=3",
-]
+# 3 layers (3 taps): quick compiles. One tree, timed or not (`--no-spec`): the trees' greedy
+# identity in general is `test_generate`'s.
+GREEDY_CHECK_ARGS = "--device cpu --config tiny --prompt-len 12 model.num_layers=3 --no-spec"
 
 
-def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch):
-    args = bench_rollout.parse_args(GREEDY_CHECK_ARGS)
-    args.trees = []
+def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch, capsys):
+    args = bench_rollout.parse_args([*GREEDY_CHECK_ARGS.split(), "--trees", "chain 4"])
     models = bench_rollout.random_models(args, dtype="float32")
     step_by_step, recorded = bench_rollout.step_by_step_greedy, []
     monkeypatch.setattr(
@@ -77,6 +69,7 @@ def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monk
         lambda *a: recorded.append(step_by_step(*a)) or recorded[-1],
     )
     bench_rollout.check_greedy(*models, args, batch=2, new_tokens=6)
+    assert "greedy check: chain 4 equal" in capsys.readouterr().out
 
     changed = recorded[0].copy()
     changed[1, 3] += 1  # the plain loop, compiled above, runs again against one changed token

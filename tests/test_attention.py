@@ -611,16 +611,20 @@ def test_check_alignment_accepts_aligned_rows():
 
 @pytest.mark.parametrize("dtype, batch, queries", [(jnp.bfloat16, 4, 5), (jnp.float32, 1, 40)])
 def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, queries):
-    """The kernel GPUs run for impl='decode' lowers to Triton for CUDA, here on the CPU (export
-    lowers for a platform it does not run on), so a kernel Triton cannot take fails in CI. The
-    GPU it lowers for is named by an abstract device (jax 0.11 asks the device for its kind)."""
+    """The kernel GPUs run for impl='decode' (the cache and a tree of `queries` nodes) lowers to
+    Triton for CUDA, here on the CPU (export lowers for a platform it does not run on), so a kernel
+    Triton cannot take fails in CI. The GPU it lowers for is named by an abstract device (jax 0.11
+    asks the device for its kind)."""
     monkeypatch.setattr(decode, "BACKEND", "pallas")
     hq, hkv, d, s = 32, 8, 128, 576
     sds = jax.ShapeDtypeStruct
     ids = lambda n: sds((batch, n), jnp.int32)
-    kv = sds((batch, hkv, s, d), dtype)
-    args = (sds((batch, queries, hq, d), dtype), ids(queries), ids(queries), kv, kv, ids(s), ids(s))
-    attend = lambda *a: decode.decode_attention(*a, None, None, None, None, scale=d**-0.5)
+    kv = lambda n: sds((batch, n, hkv, d), dtype)
+    cache = sds((batch, hkv, s, d), dtype)
+    q = sds((batch, queries, hq, d), dtype)
+    tree = (ids(queries), kv(queries), kv(queries), ids(queries))  # nodes, keys, values, parents
+    args = (q, ids(queries), ids(queries), cache, cache, ids(s), ids(s), *tree)
+    attend = lambda *a: decode.decode_attention(*a, scale=d**-0.5)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")

@@ -8,8 +8,8 @@ group share one read of each cache chunk: one grouped einsum [B, K, G, R, chunk]
 by the contract's rules (`masks`), continued across chunks by online softmax in float32; the
 branch keys (a few per row) join the same softmax. Autodiff works, but the path is meant for
 rollouts: training keeps the block kernels (`impl="decode"` selects this path). On an NVIDIA GPU the
-cache part runs as a Pallas kernel (`pallas_decode`: scores stay on chip, only filled slots are
-read); the XLA path here is its reference and its gradient.
+cache part and the tree's keys run as a Pallas kernel (`pallas_decode`: scores stay on chip, only
+filled slots are read); the XLA path here is its reference and its gradient.
 
 The cache is heads-major, [B, Hkv, S, D]: the einsums batch over (row, KV head), and a batched
 matrix product wants its batch dimensions outermost, so a [B, S, Hkv, D] cache would be transposed
@@ -69,26 +69,35 @@ def decode_attention(
     b, r, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, r, hkv, hq // hkv, d)
-    trunk = functools.partial(xla_trunk, scale=scale)
-    backend = trunk_backend(d)
-    if backend == "xla":
-        state = trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions)
-    else:
-        state = pallas_decode.trunk_state(
-            qg, q_segment_ids, q_positions, k, v, segment_ids, positions, trunk,
-            scale=scale, interpret=backend == "pallas_interpret",
-        )  # fmt: skip
-    state = tuple(jnp.moveaxis(x, 3, 1) for x in state)  # [B,R,K,G(,D)]: the query's layout
+    branch = None
     if branch_k is not None:
         ancestors = masks.ancestor_mask(parent)  # [B, N, N]: small trees only
         seen = jnp.take_along_axis(ancestors, jnp.maximum(nodes, 0)[:, :, None], axis=1)
         seen = seen & (nodes >= 0)[:, :, None]
-        state = _branch(state, qg, branch_k, branch_v, seen, scale)
+        branch = (*(jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v)), seen)
+    args = (qg, q_segment_ids, q_positions, k, v, segment_ids, positions, branch)
+    backend = trunk_backend(d)
+    if backend == "xla":
+        state = xla_state(*args, scale=scale)
+    else:
+        state = pallas_decode.attention_state(
+            *args, functools.partial(xla_state, scale=scale),
+            scale=scale, interpret=backend == "pallas_interpret",
+        )  # fmt: skip
     out, _ = _finish(*state)
     return out.reshape(b, r, hq, d)
 
 
-def _branch(state, qg, branch_k, branch_v, seen, scale):
+def xla_state(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, branch=None, *, scale):
+    """The online-softmax state (m, l, acc) [B,R,K,G(,D)] of queries qg [B,R,K,G,D] after every
+    cache slot and (`branch`: keys and values [B,K,N,D], which of them each query sees [B,R,N])
+    every tree node they see, in XLA."""
+    state = xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, scale=scale)
+    state = tuple(jnp.moveaxis(x, 3, 1) for x in state)  # the queries' layout
+    return state if branch is None else _branch(state, qg, *branch, scale)
+
+
+def _branch(state, qg, k_BKND, v_BKND, seen, scale):
     """Online softmax: fold the branch keys in (the tree's nodes, a few per row) for the queries
     `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Up to `SUMMED_PAIRS`
     (query, node) pairs a row, scores and values are products summed by XLA reductions, not
@@ -97,7 +106,6 @@ def _branch(state, qg, branch_k, branch_v, seen, scale):
     of every layer (a kernel each, as costly as the work at a few nodes). Beyond, the work outgrows
     the copies, and the tensor cores take it."""
     f32 = lambda x: x.astype(jnp.float32)
-    k_BKND, v_BKND = (jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v))
     summed = qg.shape[1] * k_BKND.shape[2] <= SUMMED_PAIRS
     if summed:
         s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)

@@ -106,7 +106,7 @@ def measure(batch: int, queries: int, args) -> list[dict]:
     """One row for XLA, then one per tiling (`tilings`), at this shape."""
     args_ = inputs(batch, queries, args)
     scale = args.head_dim**-0.5
-    xla = functools.partial(decode.xla_trunk, scale=scale)
+    xla = functools.partial(decode.xla_state, scale=scale)
     expected = jax.jit(xla)(*args_)
     cache_bytes = 2 * batch * args.kv_heads * args.slots * args.head_dim * 2
     row = lambda name, seconds, err: dict(

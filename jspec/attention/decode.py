@@ -76,7 +76,7 @@ def decode_attention(
         seen = seen & (nodes >= 0)[:, :, None]
         branch = (*(jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v)), seen)
     args = (qg, q_segment_ids, q_positions, k, v, segment_ids, positions, branch)
-    backend = trunk_backend(d)
+    backend = attention_backend(d)
     if backend == "xla":
         state = xla_state(*args, scale=scale)
     else:
@@ -128,9 +128,9 @@ def cache_slots(tokens: int, limit: int | None = None) -> int:
     return max(tokens, whole if limit is None else min(limit, whole))
 
 
-def trunk_backend(head_dim: int) -> str:
-    """What folds the cache in: `BACKEND`, with "auto" the Pallas kernel on an NVIDIA GPU that
-    can run it and XLA elsewhere."""
+def attention_backend(head_dim: int) -> str:
+    """What folds the cache and the tree's keys in: `BACKEND`, with "auto" the Pallas kernel on an
+    NVIDIA GPU that can run it and XLA elsewhere."""
     if BACKEND != "auto":
         return BACKEND
     return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"

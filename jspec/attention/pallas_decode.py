@@ -96,7 +96,7 @@ def _fold(q, scale, state, k, v, seen):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))
-def trunk_kernel(
+def kernel_state(
     qg, q_seg, q_pos, k, v, seg, pos, branch=None, *, scale: float, interpret: bool, tiling: Tiling
 ) -> State:
     """The kernel's state (forward only) in the queries' layout [B,R,K,G(,D)]; `attention_state`
@@ -204,7 +204,7 @@ def attention_state(
     """The state (m, l, acc) [B,R,K,G(,D)] of the queries qg after every cache slot and branch key
     they see, by the kernel; gradients by `xla_state` (same arguments, same result, plain XLA)."""
 
-    kernel = functools.partial(trunk_kernel, scale=scale, interpret=interpret, tiling=TILING)
+    kernel = functools.partial(kernel_state, scale=scale, interpret=interpret, tiling=TILING)
 
     @jax.custom_vjp
     def attend(*args):

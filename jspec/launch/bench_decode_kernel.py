@@ -116,7 +116,7 @@ def measure(batch: int, queries: int, args) -> list[dict]:
     seconds = lambda f: loop_seconds(trunk_loop(f, args_), args.iters, short=20, long=220)
     rows = [row("xla", seconds(xla), 0.0)]
     for tiling in tilings(args):
-        kernel = functools.partial(pallas_decode.trunk_kernel, scale=scale, tiling=tiling,
+        kernel = functools.partial(pallas_decode.kernel_state, scale=scale, tiling=tiling,
                                    interpret=args.device == "cpu")  # fmt: skip
         err = error(jax.jit(kernel)(*args_), expected)
         if err > 2e-2:

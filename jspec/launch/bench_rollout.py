@@ -597,7 +597,7 @@ def check_greedy(model, draft, prompt_rows, args, batch: int = 4, new_tokens: in
             raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
         log(f"greedy check: {name} equal; {float(got.stats.accepted.sum()):.0f} drafted tokens "
             f"accepted in {float(got.stats.steps.sum()):.0f} verify steps")  # fmt: skip
-    backend = decode_attention.trunk_backend(model.config.head_dim)
+    backend = decode_attention.attention_backend(model.config.head_dim)
     log(f"greedy check: {', '.join(loops)} (cache attention: {backend}) equal the step-by-step "
         f"loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
 

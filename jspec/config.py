@@ -266,13 +266,16 @@ class DraftConfig:
     EAGLE-3 layout) or randomly initialised with a draft vocabulary of `vocab_size` most frequent
     tokens (0: the target's whole vocabulary). 'external': a small decoder sharing the target's
     tokenizer, from `path` (a Hugging Face checkpoint) or randomly initialised as `model`.
-    'none': plain decoding.
+    'none': plain decoding. A loaded EAGLE-3 draft that carries its own copy of the target's
+    embedding is refused when the copy differs from the target's (it was trained for another
+    target), unless `allow_other_target`, which loads it with a warning.
     """
 
     kind: str = "none"
     path: str | None = None
     vocab_size: int = 0
     model: ModelConfig | None = None
+    allow_other_target: bool = False
 
     def validate(self, where: str = "rollout.draft") -> None:
         _choice(f"{where}.kind", self.kind, _DRAFT_KINDS)
@@ -392,9 +395,15 @@ class RLConfig:
     each rollout batch then verifies the tree that pays most at its batch size, by those costs and
     the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
     always `rollout.tree`.
+
+    `tokenizer`: 'bytes' (the toy demo's byte tokenizer) or the path of a `tokenizer.json`, whose
+    responses end at `eos_token` (`jspec.tokenizers`); `rollout.eos_id`, when unset, is that
+    token's id.
     """
 
     task: TaskConfig = TaskConfig()
+    tokenizer: str = "bytes"
+    eos_token: str | None = None
     steps: int = 40
     prompts: int = 8
     group_size: int = 8
@@ -478,11 +487,6 @@ class RLConfig:
                 f"rollout.temperature={rollout.temperature}, top_p={rollout.top_p}, "
                 f"top_k={rollout.top_k}: GRPO needs sampled rollouts whose log-probabilities the "
                 "train step recomputes exactly; set rollout.temperature > 0, top_p=1, top_k=0."
-            )
-        if rollout.eos_id is None:
-            raise ConfigError(
-                "rollout.eos_id is unset: RL responses end at the tokenizer's end-of-sequence id "
-                "(the byte tokenizer's is 256); set rollout.eos_id."
             )
 
     def check_mesh(self, sizes: dict[str, int], rollout: dict[str, int] | None = None) -> None:

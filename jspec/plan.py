@@ -17,10 +17,13 @@ and reports what XLA's SPMD partitioner gives one device (`memory_analysis`, `co
 - the peak of each program (arguments + temporaries + outputs not aliased to donated inputs), and
   its FLOPs (the rollout's while loop counted once: the prefill and one verify step).
 
-The CPU compiler schedules and fuses differently from the GPU's, so treat the figures as an
-estimate of a GPU's within some tens of percent (`tests/test_plan.py` checks the activation
-figure against the memory a CPU run actually takes); on a GPU the cuDNN / Pallas attention
-kernels need less workspace than the CPU's blockwise attention.
+The CPU compiler schedules and fuses differently from the GPU's, so the report calls itself a CPU
+estimate: `tests/test_plan.py` checks the activation figure against the memory a CPU run actually
+takes, and a GPU compile of the same train step has measured 1.5-1.8x lower temporaries (the cuDNN
+/ Pallas attention kernels need less workspace than the CPU's blockwise attention; BENCHMARKS.md,
+"The planner's report"). For a mixture of experts the report states what its figures assume:
+experts per device, the dropless dispatch's receive buffers, and the CPU's grouped matmuls, which
+copy their rows once per local expert where a Hopper GPU's kernels do not (an upper estimate).
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, RLConfig
+from jspec.launch import cli
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft
 from jspec.models.transformer import Transformer
 from jspec.rl.packing import PackedBatch
@@ -90,6 +95,7 @@ class Plan(NamedTuple):
     optimizer: int  # per device
     train: Figures
     rollout: Figures
+    platform: str  # of the compiler that made the figures: "cpu" from `main`
 
 
 def mesh_sizes(text: str | None, default: config_lib.MeshConfig) -> config_lib.MeshConfig:
@@ -230,7 +236,13 @@ def plan(cfg: config_lib.Config, seq_len: int, rows: int | None = None,
     new_tokens = cfg.rollout.max_new_tokens
     decode = rollout_batch or sizes["data"] * sizes["context"]
     roll = rollout_step(cfg, networks, params, seq_len - new_tokens, decode)
-    return Plan(_bytes(state.params), _bytes(state.opt_state), Figures.of(train), Figures.of(roll))
+    return Plan(
+        _bytes(state.params),
+        _bytes(state.opt_state),
+        Figures.of(train),
+        Figures.of(roll),
+        mesh.devices.flat[0].platform,
+    )
 
 
 def _size(nbytes: int) -> str:
@@ -238,16 +250,56 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GB:>9.2f} GB" if nbytes >= GB / 10 else f"{nbytes / 1e6:>9.2f} MB"
 
 
+def _flop(n: float) -> str:
+    """TFLOP for real models, GFLOP for the small ones (whose TFLOP would read 0.0)."""
+    return f"{n / 1e12:>9.1f} TFLOP" if n >= 1e11 else f"{n / 1e9:>9.2f} GFLOP"
+
+
+def target(platform: str, devices: int) -> str:
+    """The report's first line: whose figures these are, so no one reads them as a GPU's."""
+    name = platform.upper()
+    virtual = " virtual" if platform == "cpu" else ""
+    kind = "estimate" if platform == "cpu" else "compile"
+    return f"{name} {kind} (XLA {name} compiler on {devices}{virtual} device{'s' * (devices > 1)})"
+
+
+def moe_assumptions(cfg: config_lib.Config) -> list[str]:
+    """What the figures of a mixture of experts assume (`jspec.models.moe`); none for a dense
+    model. The experts are split over `RULES["expert"]`, and each device receives into P times its
+    own assignments (the worst case: every device routes all its tokens to it), which is how the
+    routing stays dropless with static shapes."""
+    m = cfg.model
+    if not m.num_experts:
+        return []
+    sizes = dataclasses.asdict(cfg.mesh)
+    group = mesh_lib.axis_size(AbstractMesh(tuple(sizes.values()), tuple(sizes)), "expert")
+    local = m.num_experts // group
+    dispatch = (
+        f"each device receives into {group}x its own assignments (every device's tokens to it)"
+        if group > 1
+        else "one device holds every expert, no exchange"
+    )
+    return [
+        f"mixture of experts: {local} of {m.num_experts} experts per device (split over "
+        f"{' x '.join(mesh_lib.RULES['expert'])}, {group} devices), top-{m.num_experts_per_tok}, "
+        f"{sum(m.sparse_layers)} of {m.num_layers} layers",
+        f"  dropless, no capacity factor: {dispatch}",
+        "  temporaries are an upper estimate: the CPU's grouped matmuls copy their rows per local "
+        f"expert ({local}x), a Hopper GPU's kernels do not",
+    ]
+
+
 def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> str:
     sizes = dataclasses.asdict(cfg.mesh)
     mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
     verdict = lambda peak: "fits" if peak <= memory_gb * GB else "DOES NOT FIT"
     line = lambda name, value, note="": f"  {name:<38}{_size(value)}  {note}".rstrip()
-    flops = lambda f: f"  {'TFLOP per device':<38}{f / 1e12:>9.1f}"
+    flops = lambda f: f"  {'FLOPs per device':<38}{_flop(f)}"
     t, r = p.train, p.rollout
     return "\n".join([
-        f"{cfg.name}: mesh {mesh}, {seq_len:,} tokens per training row, device memory "
-        f"{memory_gb:g} GB",
+        f"{target(p.platform, math.prod(sizes.values()))} of {cfg.name}",
+        f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
+        *moe_assumptions(cfg),
         "train step (GRPO + draft co-training, one update)",
         line("parameters (policy + draft)", p.parameters),
         line("optimizer state", p.optimizer),
@@ -277,4 +329,4 @@ def main(argv=None) -> Plan:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -18,6 +18,7 @@ import pytest
 from helpers import LOOP, loop, train_rl
 
 from jspec import config as config_lib
+from jspec import tokenizers
 from jspec.models import create
 from jspec.rl import tasks
 from jspec.rl.packing import PackedBatch
@@ -91,7 +92,7 @@ def assert_updates_follow_rewards(updates: list[Update]) -> None:
     than MARGIN. Rewards and log-probabilities are both computed here from the batch's tokens, so
     advantages of the wrong sign or sequence fail as well as a loss of the wrong log-probabilities
     or without the policy gradient."""
-    logprobs, tokenizer = _next_token_logprobs(), tasks.ByteTokenizer()
+    logprobs, tokenizer = _next_token_logprobs(), tokenizers.ByteTokenizer()
     for n, (before, batch, after, problems) in enumerate(updates):
         generated = batch.response[:, 1:]  # token j + 1 was sampled: its log-prob is at j
         seq, tokens = batch.sequence[:, 1:][generated], batch.tokens[:, 1:][generated]

@@ -5,7 +5,9 @@ exact round trips, and clear errors for checkpoints that do not fit."""
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ from flax import nnx
 from helpers import close
 from safetensors.numpy import load_file, save_file
 
-from jspec.config import ConfigError, ModelConfig
+from jspec.config import ConfigError, DraftConfig, MeshConfig, ModelConfig
+from jspec.mesh import make_mesh
 from jspec.models import create, hf
 from jspec.models import hf_eagle3 as eagle_io
 from jspec.models.draft import (
@@ -24,6 +27,7 @@ from jspec.models.draft import (
     check_target,
     create_eagle3,
     frequent_tokens,
+    from_config,
 )
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
@@ -78,6 +82,80 @@ def rename_layer(src, dst, prefix="layers.0", drop=(), config_edit=None):
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, **(config_edit or {})}))
     return dst
+
+
+def concatenated_case():
+    """The fixture draft and its case's inputs, the taps concatenated [2, 16, 192] as published."""
+    draft, found = eagle_io.load(FIXTURE)
+    case = np.load(FIXTURE / "case.npz")
+    ids = case["input_ids"]
+    seg = jnp.ones(ids.shape, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    embeds = jnp.asarray(found.embedding[ids])
+    return draft, found, embeds, jnp.asarray(case["hidden_states"]), seg, pos
+
+
+def test_concatenated_taps_give_the_same_logits():
+    """Public EAGLE-3 code passes the three taps concatenated, [B,T,3H]: read as the stacked taps
+    are."""
+    draft, found, embeds, hidden, seg, pos = concatenated_case()
+    logits, _ = draft(embeds, hidden, seg, pos)
+    np.testing.assert_array_equal(logits, fixture_logits(draft, found.embedding)[0])
+
+
+def test_features_of_another_shape_are_named():
+    """Neither taps, their concatenation nor a hidden state: the message names what it got and
+    what it takes, instead of a broadcasting error deep in the layer."""
+    draft, _, embeds, hidden, seg, pos = concatenated_case()
+    with pytest.raises(ValueError, match=r"features has shape \(2, 16, 128\); .* \(3, 2, 16, 64\)"):
+        draft(embeds, hidden[..., :128], seg, pos)
+    with pytest.raises(ValueError, match=r"concatenation \[B, T, 3\*D\] = \(2, 16, 192\)"):
+        draft(embeds, hidden[:, :8], seg, pos)  # fewer positions than embeds
+
+
+def fitting_target(seed):
+    """A random target of the fixture draft's shape; its embedding differs with the seed."""
+    config = ModelConfig(
+        vocab_size=300, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128,
+    )  # fmt: skip
+    return create(config, seed=seed)
+
+
+def test_draft_trained_for_another_target_is_refused(tmp_path):
+    """A draft carrying the embedding of target A is refused for target B of the same shape (or
+    loaded with a warning when allowed) and loads silently for A, whose embedding it may hold
+    rounded to bfloat16."""
+    a, b = fitting_target(0), fitting_target(1)
+    draft, _ = eagle_io.load(FIXTURE)
+    rounded = np.asarray(a.embed[...].astype(jnp.bfloat16).astype(jnp.float32))
+    eagle_io.save(tmp_path, draft, embedding=rounded)
+    config = DraftConfig(kind="eagle3", path=str(tmp_path))
+    message = (
+        f"the EAGLE-3 draft in {re.escape(str(tmp_path))} carries an embed_tokens.weight that "
+        "differs from the "
+        r"target's embedding \(300 of 300 rows beyond bf16 rounding, max abs difference [0-9.e-]+\)"
+        r": it was trained for another target; load the draft trained for this target, or set "
+        r"rollout.draft.allow_other_target=true"
+    )
+    with pytest.raises(hf.CheckpointError, match=message):
+        from_config(config, b)
+    with pytest.warns(UserWarning, match="it was trained for another target; loading it anyway"):
+        assert from_config(dataclasses.replace(config, allow_other_target=True), b) is not None
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    sharded = create(a.config, mesh=mesh, seed=0)  # compared where it lives, slice by slice
+    np.testing.assert_array_equal(sharded.embed[...], a.embed[...])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert from_config(config, a) is not None
+        assert from_config(config, sharded, mesh=mesh) is not None
+    found = eagle_io.load(tmp_path)[1]
+    with pytest.raises(
+        hf.CheckpointError, match=r"shape \(300, 64\), but the target's .*\(400, 64\)"
+    ):
+        eagle_io.check_embedding(tmp_path, found, np.zeros((400, 64)), allow_other_target=True)
+    without = rename_layer(tmp_path, tmp_path / "without", "midlayer", drop=(eagle_io.EMBED,))
+    assert from_config(dataclasses.replace(config, path=str(without)), b) is not None
 
 
 def test_speculators_layout_without_embedding_loads_the_same(tmp_path):
@@ -150,6 +228,20 @@ def test_checkpoint_mistakes_are_named(tmp_path):
     hf.save(tmp_path / "target", target_model)
     with pytest.raises(ValueError, match="no draft_vocab_size"):
         eagle_io.load(tmp_path / "target")
+
+
+@pytest.mark.parametrize(("layout", "prefix"), list(eagle_io.LAYOUTS.items()))
+def test_missing_draft_tensor_is_named_with_its_layout(tmp_path, layout, prefix):
+    """The message names the tensor, the layout and the draft, not the target loader's hint."""
+    path = rename_layer(FIXTURE, tmp_path / layout, prefix, drop=("midlayer.hidden_norm.weight",))
+    with pytest.raises(hf.CheckpointError) as error:
+        eagle_io.load(path)
+    message = str(error.value)
+    assert message.startswith(
+        f"tensor '{prefix}.hidden_norm.weight' is missing from the EAGLE-3 draft in {path} "
+        f"({layout} layout: {prefix}.*, read from model.safetensors)"
+    )
+    assert "num_hidden_layers" not in message and "tie_word_embeddings" not in message
 
 
 def test_draft_vocabulary_of_the_most_frequent_tokens():

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from jspec.config import ConfigError
 from jspec.launch import distributed, train_rl
 
 # The test loop of tests/test_rl.py, two RL steps (rollouts, rewards, packing and a co-training
@@ -117,7 +118,7 @@ def test_cluster_settings(args, env, want):
 
 
 def test_incomplete_cluster_settings_name_what_is_missing():
-    with pytest.raises(SystemExit, match="missing: num-processes, process-id"):
+    with pytest.raises(ConfigError, match="missing: num-processes, process-id"):
         distributed.cluster(flags(coordinator="h:1"), {})
-    with pytest.raises(SystemExit, match="--process-id=4 must be in"):
+    with pytest.raises(ConfigError, match="--process-id=4 must be in"):
         distributed.cluster(flags(coordinator="h:1", num_processes=4, process_id=4), {})

@@ -1,5 +1,6 @@
-"""The planner: its activation figure is the memory a CPU run of the same train step takes, and
-it reads meshes and reports clearly.
+"""The planner: its activation figure is the memory a CPU run of the same train step takes, it
+reads meshes and reports clearly, the README shows a report it prints today, and a mixture of
+experts' report states what its figures assume.
 
 The run is measured in a fresh process with one CPU device, glibc told to return every large
 block to the system when freed (MALLOC_MMAP_THRESHOLD_), so the resident set size follows the live
@@ -9,6 +10,7 @@ buffers; a thread samples it while the step runs.
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import threading
@@ -109,3 +111,52 @@ def test_a_mesh_left_to_the_devices_is_refused():
     args = plan.parse_args(["--config", "demo"])
     with pytest.raises(config_lib.ConfigError, match="the planner needs every size"):
         plan.plan_config(args)
+
+
+@pytest.fixture
+def planner_env(monkeypatch):
+    """`plan.main` sets the jax variables for its virtual devices: put them back afterwards."""
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+
+
+def readme_example() -> tuple[list[str], str]:
+    """(argv, printed report) of the example in README.md's "Will it fit?": the fenced block that
+    starts with `$ python -m jspec.plan`."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Will it fit?", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in section.split("```")[1::2] if b.startswith("\n$ python -m jspec.plan"))
+    command, printed = block.strip("\n").split("\n", 1)
+    return shlex.split(command)[4:], printed
+
+
+def test_readme_shows_the_report_the_planner_prints(capsys, planner_env):
+    """Byte for byte, so the README's figures cannot go stale. The tests' fast-compile flags
+    (conftest.py) change the machine code LLVM makes, not XLA's buffers or FLOP counts."""
+    argv, printed = readme_example()
+    plan.main(argv)
+    assert capsys.readouterr().out.rstrip("\n") == printed
+
+
+def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env):
+    tiny_moe = [
+        "model.num_layers=2", "model.num_experts=8", "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=32", "rollout.max_new_tokens=16",
+    ]  # fmt: skip
+    plan.main(["--config", "tiny", "--mesh", "data=2", "--seq-len", "128", *tiny_moe])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "CPU estimate (XLA CPU compiler on 2 virtual devices) of tiny"
+    assert lines[2:5] == [
+        "mixture of experts: 4 of 8 experts per device (split over data x context, 2 devices), "
+        "top-2, 2 of 2 layers",
+        "  dropless, no capacity factor: each device receives into 2x its own assignments "
+        "(every device's tokens to it)",
+        "  temporaries are an upper estimate: the CPU's grouped matmuls copy their rows per local "
+        "expert (4x), a Hopper GPU's kernels do not",
+    ]
+    # The context axis holds experts too: Qwen3-30B-A3B on data=2 x context=4 (no compiling).
+    args = ["--config", "qwen3-30b-a3b", "--mesh", "data=2,context=4,tensor=4"]
+    cfg, _ = plan.plan_config(plan.parse_args(args))
+    assert plan.moe_assumptions(cfg)[0].startswith(
+        "mixture of experts: 16 of 128 experts per device (split over data x context, 8 devices)"
+    )

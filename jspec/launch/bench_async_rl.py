@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import tempfile
 
 import jax
 import numpy as np
 
 from jspec import config as config_lib
-from jspec.launch import train_rl
+from jspec.launch import cli, train_rl
 
 MODES = {
     "sync": ["rl.max_lag=0"],
@@ -119,4 +120,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -26,6 +26,8 @@ import json
 import os
 import sys
 
+from jspec.launch import cli
+
 # Document lengths are multiples of this: 2 * cp chunks of a multiple of 64 tokens for every cp
 # up to 8, so one packing serves every row of a series.
 ALIGN = 2 * 8 * 64
@@ -311,4 +313,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

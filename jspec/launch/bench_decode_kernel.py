@@ -21,12 +21,14 @@ import functools
 import itertools
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.attention import blocks, decode, pallas_decode
+from jspec.launch import cli
 from jspec.launch.timing import loop_seconds
 
 
@@ -148,4 +150,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

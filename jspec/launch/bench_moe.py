@@ -25,6 +25,9 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
+
+from jspec.launch import cli
 
 CPU_DEFAULTS = ("tiny", ["model.num_experts=8", "model.num_experts_per_tok=2",
                          "model.moe_intermediate_size=32"])  # fmt: skip
@@ -241,4 +244,4 @@ def print_table(rows, args, c, dense, device_kind) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -24,7 +24,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
+
+from jspec.launch import cli
 
 DEFAULTS = {  # device: (config, overrides, batch, seq, stages, microbatches, repeats)
     "cpu": ("tiny", ["model.remat=full"], 8, 64, [2, 4], [4, 8], [1, 2]),
@@ -179,4 +182,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -41,6 +41,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 import time
 from typing import NamedTuple
 
@@ -53,12 +54,13 @@ from jspec import config as config_lib
 from jspec.attention import decode as decode_attention
 from jspec.attention.decode import cache_slots
 from jspec.config import RolloutConfig, TreeConfig
+from jspec.launch import cli
 from jspec.launch.timing import best_time, loop_seconds
 from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
-from jspec.rl.tasks import HFTokenizer
 from jspec.sampler import compile_generate, decoding, generate
 from jspec.sampler.tree_choice import StepCosts, choose_tree
+from jspec.tokenizers import HFTokenizer
 
 
 def parse_args(argv=None):
@@ -685,4 +687,4 @@ def print_row(r) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import traceback
 from typing import NamedTuple
@@ -33,6 +34,7 @@ import numpy as np
 
 from jspec.attention import attention, blocks, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
+from jspec.launch import cli
 from jspec.launch.timing import time_compiled
 
 # Correctness cases of the self-attention check: (head dim, dtype).
@@ -423,4 +425,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -13,6 +13,7 @@ prompt + generation: the cache path, the verify path and the training path agree
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import config as config_lib
+from jspec.launch import cli
 from jspec.models import create, draft, hf
 from jspec.sampler import generate
 
@@ -100,4 +102,4 @@ def check_row(model, prompt, generated) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

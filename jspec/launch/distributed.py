@@ -22,7 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from collections.abc import Mapping
+
+from jspec.config import ConfigError
+from jspec.launch import cli
 
 PORT = 8476
 
@@ -52,13 +56,13 @@ def cluster(args, env: Mapping[str, str]) -> dict | None:
         missing = [n for n, v in (("coordinator", coordinator), ("num-processes", count),
                                   ("process-id", index)) if v is None]  # fmt: skip
         if missing:
-            raise SystemExit(
+            raise ConfigError(
                 f"a multi-process launch needs --coordinator, --num-processes and --process-id "
                 f"(or JSPEC_COORDINATOR, JSPEC_NUM_PROCESSES, JSPEC_PROCESS_ID); missing: "
                 f"{', '.join(missing)}."
             )
         if not 0 <= index < count:
-            raise SystemExit(f"--process-id={index} must be in [0, --num-processes={count}).")
+            raise ConfigError(f"--process-id={index} must be in [0, --num-processes={count}).")
         return dict(coordinator_address=coordinator, num_processes=count, process_id=index)
     if _int(env, "SLURM_NTASKS", 1) > 1 and "SLURM_STEP_NODELIST" in env:
         return {}
@@ -71,7 +75,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int |
     try:
         return int(env[name])
     except ValueError:
-        raise SystemExit(f"{name}={env[name]!r} must be an integer.") from None
+        raise ConfigError(f"{name}={env[name]!r} must be an integer.") from None
 
 
 def job_main(name: str):
@@ -82,7 +86,7 @@ def job_main(name: str):
     except ModuleNotFoundError as error:
         if error.name != module:
             raise
-        raise SystemExit(
+        raise ConfigError(
             f"job {name!r}: no module {module}; use a module of jspec.launch (train_rl, demo, "
             "bench_rollout, ...) or a dotted module path with a main(argv)."
         ) from None
@@ -102,4 +106,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -14,9 +14,12 @@ import argparse
 import json
 import pathlib
 import re
+import sys
 from collections import defaultdict
 
 import numpy as np
+
+from jspec.launch import cli
 
 PANELS = (
     ("accepted_length", "mean accepted length"),
@@ -82,4 +85,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

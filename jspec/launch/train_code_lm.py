@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig
+from jspec.launch import cli
 from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.draft_loss import draft_loss
@@ -379,8 +380,7 @@ def main(argv=None):
     deadline = None if args.stop_after is None else start + 60 * args.stop_after
     cfg = config_lib.load(args.config, args.overrides).model
     mesh = data_mesh(args.data_parallel, args.batch)
-    run = pathlib.Path(args.run_dir)
-    run.mkdir(parents=True, exist_ok=True)
+    run = cli.run_directory(pathlib.Path(args.run_dir))
     train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
     tok = train_tokenizer(train_texts, cfg.vocab_size, run / "tokenizer.json")
     train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
@@ -414,7 +414,7 @@ def main(argv=None):
         )  # fmt: skip
     except OutOfTime as stop:
         print(f"{stop} {at()}; run the same command to resume", flush=True)
-        return EXIT_RESUME
+        raise SystemExit(EXIT_RESUME) from None
     print(f"draft trained {at()}", flush=True)
     heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
     report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
@@ -426,4 +426,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

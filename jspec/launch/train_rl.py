@@ -46,9 +46,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jspec import config as config_lib
-from jspec import hosts, pipeline
+from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
+from jspec.launch import cli
 from jspec.models import create
 from jspec.models.draft import from_config as draft_from_config
 from jspec.rl import grpo, packing, rollouts, tasks
@@ -67,7 +68,13 @@ def parse_args(argv=None):
     p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many RL steps")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no progress lines")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume although the config differs from the checkpoint's in a field that changes "
+        "what the run computes (seed, task, learning rates, ...); the fields are listed",
+    )
     p.add_argument(
         "--compilation-cache",
         default=str(pathlib.Path("runs") / ".jax_cache"),
@@ -76,38 +83,72 @@ def parse_args(argv=None):
     return p.parse_intermixed_args(argv)
 
 
+def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: int = 1):
+    """Every check of a run that needs no device, so a config that cannot run fails before
+    anything is built (and a cluster's command can be checked off the cluster). Returns the
+    config with `rollout.eos_id` the tokenizer's when unset, the tokenizer, and the widest
+    prompt in tokens."""
+    if cfg.rl is None:
+        raise ConfigError(
+            f"config {cfg.name!r} has no rl section; add one (see configs/demo.yaml)."
+        )
+    rl = cfg.rl
+    rl.check_rollout(cfg.rollout)
+    if rl.rollout_mesh is not None and cfg.pipeline.stages > 1:
+        raise ConfigError(
+            "rl.rollout_mesh (asynchronous RL) with a pipelined policy is not supported yet: "
+            "the sampler's weights would need the layer order; set pipeline.stages=1."
+        )
+    if rl.rollout_mesh is not None and num_processes > 1:
+        raise ConfigError(
+            "rl.rollout_mesh (asynchronous RL) runs in one process for now; on several hosts "
+            "leave it unset (synchronous RL on the whole mesh)."
+        )
+    rl.check_mesh(*rollouts.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
+    if mode != "none" and cfg.rollout.draft.kind != "eagle3":
+        raise ConfigError(
+            f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
+            f"{cfg.rollout.draft.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
+        )
+    if rl.tree_costs is not None and mode != "none":
+        TreeChooser.from_bench(rl.tree_costs)  # the file reads and names its trees
+    tokenizer = tokenizers.load(rl.tokenizer, rl.eos_token)
+    if cfg.rollout.eos_id is None:
+        cfg = dataclasses.replace(
+            cfg, rollout=dataclasses.replace(cfg.rollout, eos_id=tokenizer.eos_id)
+        )
+    if cfg.model.vocab_size < tokenizer.vocab_size or cfg.rollout.eos_id != tokenizer.eos_id:
+        raise ConfigError(
+            f"rl.tokenizer={rl.tokenizer!r} needs model.vocab_size >= {tokenizer.vocab_size} "
+            f"(got {cfg.model.vocab_size}) and rollout.eos_id={tokenizer.eos_id} or unset (got "
+            f"{cfg.rollout.eos_id})."
+        )
+    return cfg, tokenizer, _check_widths(cfg, tokenizer)
+
+
+def _check_widths(cfg: config_lib.Config, tokenizer) -> int:
+    """The widest prompt of the run's tasks in tokens; an error when the longest worked answer
+    does not fit in rollout.max_new_tokens."""
+    prompts, answers = tasks.widths(cfg.rl.task, tokenizer, cfg.seed)
+    if answers + 1 > cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} cannot hold the task's worked "
+            f"answers of up to {answers} tokens plus the end token; raise it to at least "
+            f"{answers + 1}."
+        )
+    return prompts
+
+
 class Run:
     """One run's fixed parts: config, meshes (training, and rollout when split), networks (the
     trainer's, and the sampler's on the rollout mesh), tokenizer, static shapes."""
 
     def __init__(self, cfg: config_lib.Config, mode: str):
-        if cfg.rl is None:
-            raise ConfigError(
-                f"config {cfg.name!r} has no rl section; add one (see configs/demo.yaml)."
-            )
+        cfg, self.tokenizer, self.prompt_width = check(
+            cfg, mode, jax.device_count(), jax.process_count()
+        )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
-        self.rl.check_rollout(cfg.rollout)
-        if self.rl.rollout_mesh is not None and cfg.pipeline.stages > 1:
-            raise ConfigError(
-                "rl.rollout_mesh (asynchronous RL) with a pipelined policy is not supported yet: "
-                "the sampler's weights would need the layer order; set pipeline.stages=1."
-            )
-        if self.rl.rollout_mesh is not None and jax.process_count() > 1:
-            raise ConfigError(
-                "rl.rollout_mesh (asynchronous RL) runs in one process for now; on several hosts "
-                "leave it unset (synchronous RL on the whole mesh)."
-            )
         self.mesh, self.rollout_mesh = rollouts.split_meshes(cfg.mesh, self.rl.rollout_mesh)
-        rollout_sizes = None if self.rollout_mesh is None else dict(self.rollout_mesh.shape)
-        self.rl.check_mesh(dict(self.mesh.shape), rollout_sizes)
-        self.tokenizer = tasks.ByteTokenizer()
-        self._check_shapes()
-        draft_cfg = cfg.rollout.draft
-        if mode != "none" and draft_cfg.kind != "eagle3":
-            raise ConfigError(
-                f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
-                f"{draft_cfg.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
-            )
         self.trees = None
         if self.rl.tree_costs is not None and mode != "none":
             self.trees = TreeChooser.from_bench(self.rl.tree_costs)
@@ -131,23 +172,6 @@ class Run:
         if self.mode != "none":
             draft = draft_from_config(self.cfg.rollout.draft, policy, mesh=mesh)
         return Networks.split(policy, draft, mesh)
-
-    def _check_shapes(self) -> None:
-        cfg, tok = self.cfg, self.tokenizer
-        if cfg.model.vocab_size < tok.vocab_size or cfg.rollout.eos_id != tok.eos_id:
-            raise ConfigError(
-                f"the byte tokenizer needs model.vocab_size >= {tok.vocab_size} (got "
-                f"{cfg.model.vocab_size}) and rollout.eos_id={tok.eos_id} (got "
-                f"{cfg.rollout.eos_id})."
-            )
-        self.prompt_width, answer_width = tasks.widths(self.rl.task, cfg.seed)
-        if answer_width + 1 > cfg.rollout.max_new_tokens:
-            raise ConfigError(
-                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} cannot hold the task's "
-                f"worked answers of up to {answer_width} tokens plus the end token; raise it to "
-                f"at least "
-                f"{answer_width + 1}."
-            )
 
     def sequences(self, count: int) -> slice:
         """This process's sequences of a batch of `count`: those of its packed training rows,
@@ -318,10 +342,9 @@ def start_or_resume(run: Run, checkpoints: Checkpoints, log):
         state = checkpoints.restore_latest(new(run.initial_params))
         if state is None:
             raise ConfigError(
-                f"none of the {len(steps)} checkpoints in {checkpoints.directory} restores (all "
-                "corrupt, reported above); move that directory away to start the run afresh."
+                f"none of the {len(steps)} checkpoints in {checkpoints.directory} restores (each "
+                "is reported above and was moved aside); run again to start the run afresh."
             )
-        log(f"resumed from step {int(state.step)} in {checkpoints.directory}")
         return state, step
     state = new(warm_start(run, log))
     checkpoints.save(0, state)
@@ -363,26 +386,42 @@ def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, q
 
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
+    say = (lambda msg: tqdm.write(msg, file=sys.stderr)) if hosts.is_main() else (lambda _: None)
+    log = (lambda _: None) if args.quiet else say  # --quiet: no progress, warnings still said
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     cfg = config_lib.load(args.config, args.overrides)
-    run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft}")
-    run = Run(cfg, args.draft)
-    quiet = args.quiet or not hosts.is_main()  # one process speaks and writes metrics
-    log = (lambda msg: None) if quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
+    cfg = check(cfg, args.draft, jax.device_count(), jax.process_count())[0]
+    run_dir = cli.run_directory(
+        pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft}")
+    )
     saved_config = {**config_lib.to_dict(cfg), "draft_mode": args.draft}
-    checkpoints = Checkpoints(run_dir / "checkpoints", saved_config, cfg.rl.keep_checkpoints)
+    checkpoints = Checkpoints(
+        run_dir / "checkpoints", saved_config, cfg.rl.keep_checkpoints,
+        allow_changes=args.allow_config_change, log=say,
+    )  # fmt: skip
+    checkpoints.check_resume()
+    run = Run(cfg, args.draft)
     state, train_step = start_or_resume(run, checkpoints, log)
     first = int(state.step)
-    metrics_out = Metrics(run_dir, first) if hosts.is_main() else None
     last = cfg.rl.steps if args.stop_after is None else min(cfg.rl.steps, first + args.stop_after)
-    train(run, state, train_step, range(first, last), checkpoints, metrics_out, quiet)
+    if first >= cfg.rl.steps:
+        say(f"{run_dir}: already complete at step {first} (rl.steps={cfg.rl.steps}); raise "
+            "rl.steps to train on.")  # fmt: skip
+    else:
+        rl = cfg.rl
+        log(f"metrics: {run_dir / 'metrics.jsonl'}; checkpoints: {checkpoints.directory} (every "
+            f"{rl.save_every} steps, the last {rl.keep_checkpoints} kept)")  # fmt: skip
+        log(f"step {first} compiles the rollout and the train step; the time estimate settles "
+            "after it")  # fmt: skip
+        metrics_out = Metrics(run_dir, first) if hosts.is_main() else None
+        quiet = args.quiet or not hosts.is_main()
+        train(run, state, train_step, range(first, last), checkpoints, metrics_out, quiet)
     checkpoints.wait()
     checkpoints.close()
-    log(f"metrics: {run_dir / 'metrics.jsonl'}")
     return run_dir
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -43,6 +43,7 @@ from jspec import mesh as mesh_lib
 from jspec.attention import attention
 from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, ModelConfig
+from jspec.models import hf
 from jspec.models.transformer import (
     CacheWriter,
     KVCache,
@@ -214,10 +215,11 @@ class Eagle3Draft(nnx.Module):
 
     # -- the layer -----------------------------------------------------------------------------
 
-    def fuse(self, features: Taps) -> Float[Array, "b t d"]:
-        """The taps [3,B,T,D], concatenated in tap order and projected to the draft's width."""
-        cat = jnp.concatenate(list(features), axis=-1).astype(self._dtype)
-        return jnp.einsum("btf,fd->btd", cat, self.fc[...].astype(self._dtype))
+    def fuse(self, features: Taps | Float[Array, "b t f"]) -> Float[Array, "b t d"]:
+        """The taps [3,B,T,D], or already concatenated in tap order [B,T,3D] (the form public
+        EAGLE-3 code passes), projected to the draft's width."""
+        cat = features if features.ndim == 3 else jnp.concatenate(list(features), axis=-1)
+        return jnp.einsum("btf,fd->btd", cat.astype(self._dtype), self.fc[...].astype(self._dtype))
 
     def layer(self, emb_BTD, hidden_BTD, cos_sin, attend):
         """The decoder layer: returns the output hidden state (the next step's feature) and the
@@ -260,9 +262,10 @@ class Eagle3Draft(nnx.Module):
         positions: Int[Array, "b t"],
     ) -> tuple[Float[Array, "b t vd"], Float[Array, "b t d"]]:
         """One causal pass over packed rows: position t pairs `embeds[t]` with `features[t]` (the
-        target's taps [3,B,T,D], fused here, or a fused or earlier-step hidden state [B,T,D]).
+        target's taps [3,B,T,D] or their concatenation [B,T,3D], fused here, or a fused or
+        earlier-step hidden state [B,T,D]; any other shape is a ValueError at trace time).
         Returns logits over the draft vocabulary and the output hidden states."""
-        hidden = self.fuse(features) if features.ndim == 4 else features.astype(self._dtype)
+        hidden = self._hidden(features, embeds.shape[:2])
         attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
         out, _ = self.layer(embeds, hidden, rope_angles(self.config.layer, positions), attend)
         return self.draft_logits(out), out
@@ -318,6 +321,25 @@ class Eagle3Draft(nnx.Module):
     @property
     def _dtype(self):
         return jnp.dtype(self.config.layer.dtype)
+
+    def _hidden(self, features, batch_time: tuple[int, int]) -> Float[Array, "b t d"]:
+        """The layer's input feature from what `__call__` was given, told apart by shape (checked
+        here: a wrong one would otherwise fail deep inside as an opaque broadcasting error)."""
+        n, d = self.config.num_taps, self.config.layer.hidden_size
+        b, t = batch_time
+        read = {  # with one tap, [B,T,D] is read as a hidden state (the later key wins)
+            (n, b, t, d): self.fuse,
+            (b, t, n * d): self.fuse,
+            (b, t, d): lambda x: x.astype(self._dtype),
+        }
+        if features.shape not in read:
+            raise ValueError(
+                f"features has shape {tuple(features.shape)}; Eagle3Draft takes the target's "
+                f"{n} taps [{n}, B, T, D] = {(n, b, t, d)}, their concatenation [B, T, {n}*D] = "
+                f"{(b, t, n * d)}, or a hidden state [B, T, D] = {(b, t, d)} (B, T from embeds, "
+                f"D = hidden_size {d})."
+            )
+        return read[features.shape](features)
 
     def _root_logits(self, hidden_BD):
         return self.to_target_vocab(self.draft_logits(hidden_BD[:, None]))[:, 0]
@@ -413,15 +435,21 @@ class ExternalDraft(nnx.Module):
 
 def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):
     """The draft `config` (a `DraftConfig`) describes for `target`, checked against it; None for
-    kind 'none'. Loads `config.path` when given, else initialises randomly."""
-    from jspec.models import hf, hf_eagle3  # they import this module
+    kind 'none'. Loads `config.path` when given (an EAGLE-3 draft carrying an embedding copy other
+    than the target's is refused unless `config.allow_other_target`), else initialises randomly."""
+    from jspec.models import hf_eagle3  # it imports this module
 
     config.validate()
     if config.kind == "none":
         return None
     if config.kind == "eagle3":
         if config.path is not None:
-            draft, _ = hf_eagle3.load(config.path, mesh=mesh)
+            draft, _ = hf_eagle3.load(
+                config.path,
+                mesh=mesh,
+                target_embedding=target.embed[...],
+                allow_other_target=config.allow_other_target,
+            )
         else:
             layer = Eagle3Config.for_target(target.config, config.vocab_size)
             draft = create_eagle3(layer, mesh=mesh, seed=seed)

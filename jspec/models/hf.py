@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jspec import mesh as mesh_lib
-from jspec.config import ModelConfig, RopeScaling
+from jspec.config import ConfigError, ModelConfig, RopeScaling
 from jspec.models.transformer import Transformer, layer_stacks
 
 SUPPORTED = {
@@ -80,12 +80,22 @@ _MOE_FIELDS = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint jspec cannot read as it is; the message names the culprit and the fix."""
 
 
-class CheckpointNotFoundError(FileNotFoundError):
+class CheckpointNotFoundError(ConfigError, FileNotFoundError):
     """A file of the checkpoint directory is missing; the message names the path."""
+
+
+def read_json(path: pathlib.Path) -> dict:
+    """The JSON file `path` of a checkpoint; a CheckpointError naming it when it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error}); restore the file from the checkpoint's source."
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,7 +261,7 @@ class _Reader:
     def __init__(self, root: pathlib.Path, config: ModelConfig, stack: contextlib.ExitStack):
         self.root, self.config, self.stack, self.files = root, config, stack, {}
         if (root / INDEX).is_file():
-            self.where = json.loads((root / INDEX).read_text())["weight_map"]
+            self.where = read_json(root / INDEX)["weight_map"]
             self.source = root / INDEX
         elif (root / SINGLE).is_file():
             self.where = dict.fromkeys(self._open(SINGLE).keys(), SINGLE)
@@ -319,7 +329,7 @@ def load(
         )
     if dtype is not None:
         overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
-    config = config_from_hf(json.loads((root / CONFIG).read_text()), **overrides)
+    config = config_from_hf(read_json(root / CONFIG), **overrides)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, state = nnx.split(abstract)
     np_dtype = np.dtype(jnp.dtype(config.param_dtype))

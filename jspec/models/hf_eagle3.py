@@ -6,9 +6,11 @@ the `speculators` / vLLM one, `layers.0.*`; otherwise the names are shared: `fc`
 `{layer}.self_attn.{q,k,v,o}_proj` (q/k/v read the 2H-wide concatenation),
 `{layer}.post_attention_layernorm`, `{layer}.mlp.{gate,up,down}_proj`, `norm`, `lm_head` (draft
 vocabulary), `d2t` (draft id i is target id i + d2t[i]) and `t2d` (a mask over the target
-vocabulary). Some drafts also carry `embed_tokens.weight`, a copy of the target's embedding; jspec
-drafts read the target's own, so the copy is returned for the caller to use or compare, not
-loaded into the draft. `config.json` is a Llama config with `draft_vocab_size` and
+vocabulary). Some drafts also carry `embed_tokens.weight`, a copy of the embedding of the target
+they were trained for; jspec drafts read the target's own, so the copy is not loaded into the
+draft: `load` returns it and, given the target's embedding, refuses a draft whose copy differs (a
+draft trained for another target of the same shape would otherwise load and draft poorly, with no
+error). `config.json` is a Llama config with `draft_vocab_size` and
 `norm_before_residual` (the layer fields may sit under `transformer_layer_config`).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +53,10 @@ _KEYS: dict[str, tuple[str, int | None]] = {
     "lm_head": ("lm_head.weight", None),
 }
 EMBED = "embed_tokens.weight"
+# The draft's embedding copy is the target's when every element is within bf16 rounding of it
+# (relative 2**-8, doubled: either side may have been rounded, to bf16 or fp16) or both are below
+# fp16's normal range, where a stored copy loses relative precision.
+EMBED_RTOL, EMBED_ATOL = 2.0**-7, 1e-6
 
 
 class Found(NamedTuple):
@@ -57,7 +64,7 @@ class Found(NamedTuple):
 
     layout: str  # 'eagle' (midlayer.*) or 'speculators' (layers.0.*)
     norm_before_residual: bool
-    embedding: np.ndarray | None  # the draft's own copy of the target embedding, if it has one
+    embedding: np.ndarray | None  # its own copy of its target's embedding, if it has one
 
     def describe(self) -> str:
         emb = "its own embed_tokens copy" if self.embedding is not None else "no embed_tokens"
@@ -106,13 +113,41 @@ def _layout(keys) -> str:
     )
 
 
+class _Reader(hf._Reader):
+    """The draft's tensors; a missing one is named with the layout found, not with the target
+    loader's hint (num_hidden_layers, tie_word_embeddings), which does not apply to a draft."""
+
+    def __init__(self, root: pathlib.Path, config, stack: contextlib.ExitStack):
+        super().__init__(root, config, stack)
+        self.layout = _layout(self.where)
+
+    def tensor(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+        if key not in self.where:
+            raise hf.CheckpointError(
+                f"tensor {key!r} is missing from the EAGLE-3 draft in {self.root} "
+                f"({self.layout} layout: {LAYOUTS[self.layout]}.*, read from {self.source.name}); "
+                "the draft's weights are incomplete: re-download or re-export it (hf_eagle3.save "
+                "writes every tensor)."
+            )
+        return super().tensor(key, shape)
+
+
 def load(
-    path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | None = None, **overrides: Any
+    path: str | pathlib.Path,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    *,
+    target_embedding: Any | None = None,
+    allow_other_target: bool = False,
+    **overrides: Any,
 ) -> tuple[Eagle3Draft, Found]:
     """An Eagle3Draft from a public EAGLE-3 checkpoint directory, and what was found there.
 
     `mesh`: parameters placed sharded by their logical axes; `dtype`: parameter and compute dtype
     (None keeps the checkpoint's); `overrides`: other fields of the draft's layer config.
+    `target_embedding` [V,D] (the target's, e.g. `target.embed[...]`): a draft carrying its own
+    copy that differs from it is refused (`check_embedding`), or loaded with a warning when
+    `allow_other_target`; a draft with no copy loads unchecked.
     """
     root = pathlib.Path(path)
     if not (root / hf.CONFIG).is_file():
@@ -122,29 +157,85 @@ def load(
         )
     if dtype is not None:
         overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
-    config = config_from_json(json.loads((root / hf.CONFIG).read_text()), **overrides)
+    config = config_from_json(hf.read_json(root / hf.CONFIG), **overrides)
     make = lambda: Eagle3Draft(config, rngs=nnx.Rngs(0), mesh=mesh)
     graphdef, state = nnx.split(nnx.eval_shape(make))
     np_dtype = np.dtype(jnp.dtype(config.layer.param_dtype))
     c = config.layer
     with contextlib.ExitStack() as stack:
-        reader = hf._Reader(root, c, stack)
-        layout = _layout(reader.where)
+        reader = _Reader(root, c, stack)
         values: dict[str, Any] = {}
         for (name,), var in nnx.to_flat_state(state):
             if name == "target_ids":
                 values[name] = _place(_target_ids(reader, config), mesh, var)
                 continue
             key, n_in = _KEYS[name]
-            key = key.format(layer=LAYOUTS[layout])
+            key = key.format(layer=LAYOUTS[reader.layout])
             shape = tuple(var.shape)
             host = hf._from_hf(reader.tensor(key, hf._hf_shape(shape, n_in)), shape, n_in)
             values[name] = _place(host.astype(np_dtype, copy=False), mesh, var)
         embedding = None
         if EMBED in reader.where:
             embedding = reader.tensor(EMBED, (c.vocab_size, c.hidden_size))
+    found = Found(reader.layout, config.norm_before_residual, embedding)
+    if target_embedding is not None:
+        check_embedding(root, found, target_embedding, allow_other_target=allow_other_target)
     nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state), Found(layout, config.norm_before_residual, embedding)
+    return nnx.merge(graphdef, state), found
+
+
+def check_embedding(
+    path: str | pathlib.Path,
+    found: Found,
+    target_embedding: Any,
+    *,
+    allow_other_target: bool = False,
+) -> None:
+    """Refuses (CheckpointError) the draft at `path` when its own embedding copy differs from the
+    target's beyond bf16 rounding: it was trained for another target, and would load silently
+    since their shapes agree. `allow_other_target`: a warning instead. No copy: nothing to check."""
+    own = found.embedding
+    if own is None:
+        return
+    target_shape = tuple(np.shape(target_embedding))
+    if own.shape != target_shape:
+        raise hf.CheckpointError(
+            f"the EAGLE-3 draft in {path} carries an embed_tokens.weight of shape {own.shape}, "
+            f"but the target's embedding has shape {target_shape}: the draft was trained for "
+            "another target; load the draft trained for this target."
+        )
+    max_diff, rows = _embedding_difference(_like(own, target_embedding), target_embedding)
+    if not rows:
+        return
+    what = (
+        f"the EAGLE-3 draft in {path} carries an embed_tokens.weight that differs from the "
+        f"target's embedding ({int(rows)} of {own.shape[0]} rows beyond bf16 rounding, max abs "
+        f"difference {float(max_diff):.3g}): it was trained for another target"
+    )
+    if not allow_other_target:
+        raise hf.CheckpointError(
+            f"{what}; load the draft trained for this target, or set "
+            "rollout.draft.allow_other_target=true (allow_other_target=True in hf_eagle3.load) to "
+            "load it anyway."
+        )
+    warnings.warn(f"{what}; loading it anyway (allow_other_target).", stacklevel=2)
+
+
+@jax.jit
+def _embedding_difference(own, target):
+    """The largest |own - target| and the number of rows with an element beyond bf16 rounding,
+    in float32, on the devices holding the target's embedding (no host copy of it)."""
+    a, b = own.astype(jnp.float32), target.astype(jnp.float32)
+    diff = jnp.abs(a - b)
+    off = diff > EMBED_ATOL + EMBED_RTOL * jnp.maximum(jnp.abs(a), jnp.abs(b))
+    return diff.max(), off.any(axis=1).sum()
+
+
+def _like(host: np.ndarray, target) -> Any:
+    """`host` placed as the array `target` is (each device receives its own slice only)."""
+    if not isinstance(target, jax.Array):
+        return host
+    return jax.make_array_from_callback(host.shape, target.sharding, lambda i: host[i])
 
 
 def _target_ids(reader, config: Eagle3Config) -> np.ndarray:

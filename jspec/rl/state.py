@@ -15,17 +15,21 @@ different bits for its own rows and every tensor or context replica the same bit
 rows, which is what seeding per data-parallel rank is for (replicas never diverge).
 
 Checkpoints (`Checkpoints`): orbax `CheckpointManager`, async saves, the run's config saved beside
-each state as JSON. Resuming reads the latest step whose config matches and whose state restores; a
-config written for another model or draft is refused before anything is compiled, and a corrupt
-latest checkpoint is reported and the one before it used.
+each state as JSON. Resuming reads the latest step whose state restores, before anything is
+compiled: a config changed in a way that breaks the resume is refused, and a corrupt checkpoint is
+set aside (the step is then saved anew) and the one before it used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
+import shutil
 import sys
+import traceback
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.config import ConfigError, RLConfig
@@ -170,22 +175,75 @@ def placement(state: TrainState, mesh: Mesh):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints.
 
-# Config fields that must match for a checkpoint to be resumed (the state's shapes follow them).
-_MUST_MATCH = ("model", "draft_mode", "rollout.draft")
+# Config fields a checkpoint's state is shaped by: a resume that changes them cannot restore.
+SHAPED_BY = ("model", "draft_mode", "rollout.draft", "pipeline")
+# Config fields a resume may change and still continue as the uninterrupted run would have.
+SAFE_TO_CHANGE = ("name", "rl.steps", "rl.save_every", "rl.keep_checkpoints")
 
 
-def _lookup(config: dict, dotted: str):
-    for key in dotted.split("."):
-        config = config.get(key) if isinstance(config, dict) else None
-    return config
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_fields(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """{dotted field: (saved value, current value)} of the fields that differ."""
+    saved, current = _flat(saved), _flat(current)
+    keys = sorted(set(saved) | set(current))
+    return {k: (saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)}
+
+
+def _under(field: str, sections: tuple[str, ...]) -> bool:
+    return any(field == s or field.startswith(s + ".") for s in sections)
+
+
+@contextlib.contextmanager
+def _output_to(log: pathlib.Path):
+    """Everything written to the process's stderr (orbax's and TensorStore's reports of a failed
+    read: thousands of lines) goes to the end of `log` instead."""
+    _log_stray_callbacks(log)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with log.open("a") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 class Checkpoints:
-    """Async orbax checkpoints of TrainState, with the run's config (a JSON dict) beside each."""
+    """Async orbax checkpoints of TrainState, with the run's config (a JSON dict) beside each.
 
-    def __init__(self, directory: str | pathlib.Path, config: dict, keep: int = 3):
+    Resuming (`restore_latest`) reads the newest checkpoint that restores. One that does not
+    (truncated, garbled, half deleted) is moved out of the way, to `corrupt/` beside the
+    checkpoints, with one line saying why (the reader's full report goes to `checkpoints.log`):
+    the run then saves that step anew, and retention (the newest `keep`) only ever counts
+    checkpoints that restore. A checkpoint written with a different config is refused when the
+    state's shapes follow the change (`SHAPED_BY`), or when the run would no longer continue as the
+    uninterrupted one would have, unless `allow_changes`; changes in `SAFE_TO_CHANGE` are accepted.
+    Each accepted change is logged."""
+
+    def __init__(
+        self,
+        directory: str | pathlib.Path,
+        config: dict,
+        keep: int = 3,
+        *,
+        allow_changes: bool = False,
+        log=lambda msg: print(msg, file=sys.stderr),
+    ):
         self.directory = pathlib.Path(directory).resolve()
         self.config = json.loads(json.dumps(config))  # JSON types, as it will be read back
+        self.keep, self.allow_changes, self.log = keep, allow_changes, log
+        self.log_file = self.directory.parent / "checkpoints.log"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "config")
@@ -206,44 +264,112 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.close()
 
-    def check_config(self, saved: dict, step: int) -> None:
-        """Raises ConfigError when checkpoint `step` (config `saved`) was written for another
-        model or draft."""
-        for key in _MUST_MATCH:
-            if _lookup(saved, key) != _lookup(self.config, key):
-                raise ConfigError(
-                    f"checkpoint step {step} in {self.directory} was written with {key}="
-                    f"{_lookup(saved, key)}, but this run has {key}={_lookup(self.config, key)}; "
-                    "resume with the config it was written with, or start a new run directory."
-                )
+    def check_config(self, saved: dict, step: int) -> str:
+        """Raises ConfigError when checkpoint `step` (config `saved`) cannot or should not be
+        resumed with this run's config; the changes it accepts, described ('' for none)."""
+        changes = changed_fields(saved, self.config)
+        where = f"checkpoint step {step} in {self.directory}"
+        describe = lambda fields: ", ".join(
+            f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fields
+        )
+        shaped = [k for k in changes if _under(k, SHAPED_BY)]
+        if shaped:
+            raise ConfigError(
+                f"{where} was written with another model or draft ({describe(shaped)}); resume "
+                "with the config it was written with, or start a new run directory."
+            )
+        exact = [k for k in changes if not _under(k, SAFE_TO_CHANGE)]
+        if exact and not self.allow_changes:
+            raise ConfigError(
+                f"{where} was written with {describe(exact)}; with a changed value the run "
+                "would not continue as it was. Resume with the saved values, pass "
+                "--allow-config-change to continue with the new ones, or start a new run "
+                "directory."
+            )
+        return describe(sorted(changes))
+
+    def check_resume(self) -> None:
+        """`check_config` against the newest checkpoint whose config reads, so that a resume the
+        config refuses fails before anything is built (`restore_latest` checks again)."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                saved = self._restore_config(step)
+            except Exception:  # noqa: BLE001 - restore_latest sets it aside
+                continue
+            self.check_config(saved, step)
+            return
 
     def restore_latest(self, template: TrainState) -> TrainState | None:
         """The newest checkpoint that restores (None: there is none), placed like `template`.
-
-        A checkpoint written with another config is an error; one that fails to read is reported
-        on stderr and the one before it tried. Nothing is deleted."""
+        A checkpoint written with another config is an error; one that fails to read is moved
+        aside and the one before it tried."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                saved = self.manager.restore(
-                    step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
-                ).config
-            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                self._report(step, error)
+                saved = self._restore_config(step)
+            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is set aside
+                self._set_aside(step, error)
                 continue
-            self.check_config(saved, step)
+            changes = self.check_config(saved, step)
             try:
-                restored = self.manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                )
-                return TrainState(*restored.state)
+                with _output_to(self.log_file):
+                    restored = self.manager.restore(
+                        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                    )
             except Exception as error:  # noqa: BLE001
-                self._report(step, error)
+                self._set_aside(step, error)
+                continue
+            self.log(f"resuming from step {step} in {self.directory}")
+            if changes:
+                self.log(f"resuming with a changed config: {changes}")
+            return TrainState(*restored.state)
         return None
 
-    def _report(self, step: int, error: Exception) -> None:
-        print(
-            f"checkpoint step {step} in {self.directory} is corrupt or partial "
-            f"({type(error).__name__}: {str(error)[:200]}); trying the one before.",
-            file=sys.stderr,
+    def _restore_config(self, step: int) -> dict:
+        with _output_to(self.log_file):
+            args = ocp.args.Composite(config=ocp.args.JsonRestore())
+            return self.manager.restore(step, args=args).config
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Moves unreadable checkpoint `step` to `corrupt/` (process 0, once every process has
+        failed to read it), so that the step can be saved again."""
+        aside = self.directory.parent / "corrupt" / f"{step}"
+        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
+        self.log(
+            f"checkpoint step {step} does not restore ({reason}); moved to {aside}, details in "
+            f"{self.log_file}"
         )
+        _barrier(f"jspec checkpoint {step} unreadable")
+        if jax.process_index() == 0:
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            if aside.exists():
+                shutil.rmtree(aside)
+            shutil.move(str(self.directory / f"{step}"), aside)
+        _barrier(f"jspec checkpoint {step} set aside")
+        self.manager.reload()
+
+
+def _log_stray_callbacks(log: pathlib.Path) -> None:
+    """After a failed read, TensorStore's callbacks still land, one per array, on the read's event
+    loop, closed by then: Python reports each as an unraisable 'Event loop is closed' (thousands
+    of tracebacks in the terminal). Those go to `log`; any other unraisable error as before."""
+    default = sys.unraisablehook
+    if getattr(default, "jspec_log", None) == log:
+        return
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(
+            unraisable.exc_value
+        ):
+            with log.open("a") as f:
+                traceback.print_exception(unraisable.exc_value, file=f)
+        else:
+            default(unraisable)
+
+    hook.jspec_log = log
+    sys.unraisablehook = hook
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

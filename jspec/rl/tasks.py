@@ -1,4 +1,4 @@
-"""Verifiable tasks with exact rewards, and the tokenizers that turn them into tokens.
+"""Verifiable tasks with exact rewards, and their prompts and answers as tokens.
 
 Each task makes a `Problem` (a prompt and its worked reference answer) from a numpy generator, and
 scores a response by its final answer alone, exactly: 1.0 when it is right, 0.0 otherwise. The
@@ -14,7 +14,6 @@ shift to a harder one (`TaskConfig.shift_step`) makes the policy move part-way t
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -99,54 +98,13 @@ def problems(
     return [TASKS[name](rng, difficulty) for _ in range(count)]
 
 
-def widths(config: TaskConfig, seed: int = 0, samples: int = 64) -> tuple[int, int]:
-    """Bytes of the longest prompt and worked answer over the run's tasks (before and after the
+def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 64) -> tuple[int, int]:
+    """Tokens of the longest prompt and worked answer over the run's tasks (before and after the
     shift): static shapes for rollouts and training rows."""
     steps = (0, config.shift_step) if config.shift_step else (0,)
     seen = [p for s in steps for p in problems(config, s, samples, seed)]
-    return max(len(p.prompt) for p in seen), max(len(p.answer) for p in seen)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizers.
-
-
-class ByteTokenizer:
-    """Bytes are tokens 0..255; 256 ends a sequence. Needs a model vocabulary of at least 257."""
-
-    vocab_size = 257
-    eos_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer (`tokenizer.json` of a real checkpoint)."""
-
-    def __init__(self, path: str | pathlib.Path, eos_token: str):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(path))
-        eos = self._tok.token_to_id(eos_token)
-        if eos is None:
-            raise ConfigError(f"eos_token={eos_token!r} is not in the tokenizer at {path}.")
-        self.vocab_size, self.eos_id = self._tok.get_vocab_size(), eos
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        return self._tok.decode([i for i in ids if i >= 0])
+    longest = lambda texts: max(len(tokenizer.encode(t)) for t in texts)
+    return longest(p.prompt for p in seen), longest(p.answer for p in seen)
 
 
 def _pad_rows(rows: list[list[int]], width: int, fill: int) -> tuple[np.ndarray, np.ndarray]:

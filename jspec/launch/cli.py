@@ -1,0 +1,81 @@
+"""How a job meets the shell: exit status 0 on success, 2 with one or two lines on bad input.
+
+Every console script and `python -m jspec.launch.<job>` runs its job's `main(argv)` through `run`.
+A job's `main` may return a value (a run directory, a plan, a table) for Python callers; the shell
+sees 0. An input a person can fix (a `ConfigError`: a config value, a missing or corrupt
+checkpoint, a run directory that cannot be written) prints `error: <message>` and exits 2, no
+traceback; `--debug` (anywhere in the arguments) or `JSPEC_DEBUG=1` raises it with its traceback
+instead. Anything else is a bug and keeps its traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+
+from jspec.config import ConfigError
+
+USAGE_ERROR = 2  # as argparse exits on a bad argument
+
+
+def run(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> int:
+    """The exit status of `main(argv)` (argv: the command line's arguments when None)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("JSPEC_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        main(argv)
+    except ConfigError as error:
+        if debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        print("(--debug or JSPEC_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def run_directory(path: pathlib.Path) -> pathlib.Path:
+    """`path`, created if need be; a ConfigError when it is not a directory this process can
+    write (before anything is built, and before orbax reports it from deep inside a save)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(
+            f"--run-dir {path}: it or a folder above it is a file; pass a directory (it is "
+            "created if missing)."
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            f"--run-dir {path} cannot be written ({error.strerror}); pass a directory you can "
+            "write, e.g. --run-dir runs/NAME."
+        ) from None
+    return path
+
+
+def _script(module: str) -> Callable[[], int]:
+    """A console script's entry point: `module`'s main under `run`."""
+    return lambda: run(importlib.import_module(module).main)
+
+
+# The console scripts' entry points (pyproject.toml's [project.scripts]).
+train_rl = _script("jspec.launch.train_rl")
+demo = _script("jspec.launch.demo")
+plan = _script("jspec.plan")
+launch = _script("jspec.launch.distributed")
+plot_runs = _script("jspec.launch.plot_runs")
+bench_attention = _script("jspec.launch.bench_attention")
+bench_moe = _script("jspec.launch.bench_moe")
+bench_rollout = _script("jspec.launch.bench_rollout")
+bench_pipeline = _script("jspec.launch.bench_pipeline")
+bench_async_rl = _script("jspec.launch.bench_async_rl")
+bench_decode_kernel = _script("jspec.launch.bench_decode_kernel")
+train_code_lm = _script("jspec.launch.train_code_lm")
+check_gpu_attention = _script("jspec.launch.check_gpu_attention")

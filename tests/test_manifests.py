@@ -58,3 +58,21 @@ def test_every_shipped_rl_config_passes_the_trainers_validation(name):
     sizes = [getattr(cfg.mesh, axis) for axis in ("data", "stage", "context", "tensor")]
     devices = 8 if -1 in sizes else math.prod(sizes)
     train_rl.check(cfg, "cotrain", devices)
+
+
+def test_a_config_naming_a_tokenizer_json_passes_and_one_without_its_end_token_is_named(tmp_path):
+    """rl.tokenizer: a tokenizer.json (here a tiny BPE trained on the task's alphabet) gives the
+    run its vocabulary and end id; without rl.eos_token the run is refused, the fix named."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(["47+85=7+5+0=12,4+8+1=13;132", "sort 3142=1234"], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    name = f"rl.tokenizer={tmp_path / 'tokenizer.json'}"
+    cfg = config_lib.load("demo", [name, "rl.eos_token=<|endoftext|>", "rollout.eos_id=null"])
+    checked, tokenizer, _ = train_rl.check(cfg, "cotrain", 8)
+    assert checked.rollout.eos_id == tokenizer.eos_id == tok.token_to_id("<|endoftext|>")
+    with pytest.raises(config_lib.ConfigError, match=r"needs rl.eos_token, the token that ends"):
+        train_rl.check(config_lib.load("demo", [name, "rollout.eos_id=null"]), "cotrain", 8)

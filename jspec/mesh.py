@@ -8,6 +8,8 @@ strategy means changing this table, not the model.
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -71,6 +73,15 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> dict[str, int]:
             "(or set one of them to -1)."
         )
     return sizes
+
+
+def use_cpu_devices(count: int) -> None:
+    """Run on `count` virtual CPU devices, keeping the other XLA flags. JAX reads this when it
+    starts its backend: call it before anything asks for a device."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

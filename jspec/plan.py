@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 from typing import NamedTuple
 
@@ -318,11 +317,7 @@ def main(argv=None) -> Plan:
     args = parse_args(argv)
     cfg, seq_len = plan_config(args)
     need = math.prod(dataclasses.astuple(cfg.mesh))
-    # Virtual CPU devices, one per mesh position: read when jax starts its backend (not yet).
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={need}"
-    ).strip()
+    mesh_lib.use_cpu_devices(need)  # one per mesh position; jax has not started its backend yet
     result = plan(cfg, seq_len, args.rows, args.rollout_batch)
     print(report(cfg, result, seq_len, args.memory))
     return result

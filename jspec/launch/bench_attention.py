@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from jspec import mesh as mesh_lib
 from jspec.launch import cli
 
 # Document lengths are multiples of this: 2 * cp chunks of a multiple of 64 tokens for every cp
@@ -299,8 +299,7 @@ def run_cp(args, devices, cp, inputs, pairs, rows):
 def main(argv=None):
     args = parse_args(argv)
     if args.device == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        mesh_lib.use_cpu_devices(8)
     devices = devices_for(args)
     rows, made = [], {}
     for cp, seq in series_rows(args, len(devices)):

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
 
+from jspec import mesh as mesh_lib
 from jspec.launch import cli
 
 DEFAULTS = {  # device: (config, overrides, batch, seq, stages, microbatches, repeats)
@@ -167,8 +167,7 @@ def print_table(result: dict) -> None:
 def main(argv=None):
     args = parse_args(argv)
     if args.device == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        mesh_lib.use_cpu_devices(8)
     if args.attention == "xla":
         from jspec.attention import pallas_gpu
 

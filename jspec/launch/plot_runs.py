@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from jspec.config import ConfigError
 from jspec.launch import cli
 
 PANELS = (
@@ -29,7 +30,10 @@ PANELS = (
 
 
 def read(run_dir: pathlib.Path) -> dict[str, np.ndarray]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; pass run directories of train_rl (--run-dir).")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows = [r for r in rows if r]
     out = {"step": np.asarray([r["step"] for r in rows])}
     for key, _ in PANELS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import math
 import pathlib
 import types
@@ -18,8 +19,18 @@ from typing import Any
 
 import yaml
 
-# Named configs ship inside the package (package data), so `load("demo")` works when installed.
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+
+def _config_dir() -> pathlib.Path:
+    """The named configs: the top-level configs/, installed as the package data of jspec.configs
+    (so `load("demo")` works from any folder), or read beside the package in a source checkout
+    that was not installed."""
+    try:
+        return pathlib.Path(str(importlib.resources.files("jspec.configs")))
+    except ModuleNotFoundError:
+        return pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 class ConfigError(ValueError):
@@ -391,7 +402,7 @@ class RLConfig:
     `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
     n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
 
-    `tree_costs`: a JSON of `launch/bench_rollout.py` (speculative steps timed on this machine);
+    `tree_costs`: a JSON of `jspec/bench/rollout.py` (speculative steps timed on this machine);
     each rollout batch then verifies the tree that pays most at its batch size, by those costs and
     the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
     always `rollout.tree`.
@@ -702,7 +713,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def resolve_path(name_or_path: str | pathlib.Path) -> pathlib.Path:
-    """A config name (`tiny`) shipped in `jspec/configs/`, or a path to a YAML file."""
+    """A config name (`tiny`) shipped in `configs/`, or a path to a YAML file."""
     path = pathlib.Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = CONFIG_DIR / f"{name_or_path}.yaml"

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.scipy.special import gammaincc
 
-from jspec.launch import train_rl
+from jspec.jobs import train_rl
 
 
 def close(got, want, rtol=1e-5):
@@ -119,7 +119,7 @@ def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int 
     return prompts, prompt_lengths, responses, response_lengths, logprobs, advantages
 
 
-# The RL demo loop (jspec/launch/train_rl.py) at test size.
+# The RL demo loop (jspec/jobs/train_rl.py) at test size.
 
 LOOP = [
     "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",

@@ -1,4 +1,4 @@
-"""Asynchronous RL (jspec.launch.train_rl with rl.rollout_mesh and rl.max_lag): on 8 devices split
+"""Asynchronous RL (jspec.jobs.train_rl with rl.rollout_mesh and rl.max_lag): on 8 devices split
 4 / 4, lag 0 is the synchronous run step for step; lag 1 is reproducible from its seed, keeps
 every batch within one step of the trainer, feeds the ratio the log-probabilities of the weights
 that generated each batch, and its GRPO steps still raise the completions rewarded above their

@@ -1,9 +1,9 @@
-"""The packer of jspec.launch.bench_attention: one document-length distribution for a whole
+"""The packer of jspec.bench.attention: one document-length distribution for a whole
 scaling series, so rows of different lengths (and every cp) do the same attention work per token."""
 
 import numpy as np
 
-from jspec.launch.bench_attention import ALIGN, packed_rows
+from jspec.bench.attention import ALIGN, packed_rows
 
 
 def _documents(seg, pos):

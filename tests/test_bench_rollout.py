@@ -1,4 +1,4 @@
-"""The measuring parts of `launch/bench_rollout.py`: which prompts each batch runs (a queue of
+"""The measuring parts of `jspec/bench/rollout.py`: which prompts each batch runs (a queue of
 distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump,
 and the greedy check of the rollout path (plain and a tree, even with `--no-spec`) against a
 step-by-step loop."""
@@ -8,7 +8,7 @@ import argparse
 import numpy as np
 import pytest
 
-from jspec.launch import bench_rollout
+from jspec.bench import rollout as bench_rollout
 
 ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
 HLO = """HloModule jit__generate

@@ -2,10 +2,10 @@
 script file the installer wrote (beside `sys.executable`) in a fresh process, on the CPU with the
 session's XLA flags (tests/conftest.py put them in os.environ; the process inherits them). The
 other tests call the jobs' `main` (or `python -m`); only here do the entry points of pyproject.toml,
-`jspec.launch.cli.run` and the exit statuses a shell or a cluster's scheduler sees get run.
+`jspec.jobs.cli.run` and the exit statuses a shell or a cluster's scheduler sees get run.
 
 A tiny run that does real work exits 0 with no traceback, and a bad argument (an unknown flag, or
-a config value `jspec.launch.cli.run` turns into `error: ...`) exits 2 with no traceback. The
+a config value `jspec.jobs.cli.run` turns into `error: ...`) exits 2 with no traceback. The
 scripts are read from the distribution's metadata, so a new one fails here until ARGS has a line
 for it. `jspec-check-gpu-attention` cannot succeed without a GPU: here it must refuse with its
 one-line explanation and no traceback, and its `--help` must exit 0.

@@ -27,8 +27,8 @@ from jspec.models.draft import (
     check_target,
     create_eagle3,
     frequent_tokens,
-    from_config,
 )
+from jspec.models.draft_factory import from_config
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from jspec import config as config_lib
-from jspec.launch import train_rl
+from jspec.jobs import train_rl
 
 LAUNCH = pathlib.Path(__file__).resolve().parent.parent / "launch"
 

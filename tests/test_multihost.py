@@ -12,7 +12,7 @@ import types
 import pytest
 
 from jspec.config import ConfigError
-from jspec.launch import distributed, train_rl
+from jspec.jobs import distributed, train_rl
 
 # The test loop of tests/test_rl.py, two RL steps (rollouts, rewards, packing and a co-training
 # step on each host's rows) from the initial weights: compiling dominates, so no warm start.
@@ -49,7 +49,7 @@ def two_processes(run_dir):
             [
                 sys.executable,
                 "-m",
-                "jspec.launch.distributed",
+                "jspec.jobs.distributed",
                 "--coordinator",
                 address,
                 "--num-processes",

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from jspec import config as config_lib
-from jspec import plan
+from jspec.jobs import plan
 
 SMALL = [
     "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=3", "model.head_dim=16",
@@ -62,7 +62,7 @@ def measure() -> None:
 
     from jspec.mesh import make_mesh
     from jspec.models import create
-    from jspec.models.draft import from_config
+    from jspec.models.draft_factory import from_config
     from jspec.rl import packing
     from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 
@@ -122,10 +122,12 @@ def planner_env(monkeypatch):
 
 def readme_example() -> tuple[list[str], str]:
     """(argv, printed report) of the example in README.md's "Will it fit?": the fenced block that
-    starts with `$ python -m jspec.plan`."""
+    starts with `$ python -m jspec.jobs.plan`."""
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Will it fit?", 1)[1].split("\n## ", 1)[0]
-    block = next(b for b in section.split("```")[1::2] if b.startswith("\n$ python -m jspec.plan"))
+    block = next(
+        b for b in section.split("```")[1::2] if b.startswith("\n$ python -m jspec.jobs.plan")
+    )
     command, printed = block.strip("\n").split("\n", 1)
     return shlex.split(command)[4:], printed
 

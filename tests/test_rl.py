@@ -27,7 +27,7 @@ from jspec.config import (
     RolloutConfig,
     TreeConfig,
 )
-from jspec.launch import train_rl
+from jspec.jobs import train_rl
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl import packing
@@ -152,7 +152,7 @@ def test_draft_adds_only_its_own_dot_operations():
 
 
 # ---------------------------------------------------------------------------------------------
-# The demo loop (jspec/launch/train_rl.py) at test size.
+# The demo loop (jspec/jobs/train_rl.py) at test size.
 
 
 @pytest.fixture(scope="module")

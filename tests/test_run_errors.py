@@ -13,7 +13,7 @@ import sys
 import pytest
 from helpers import LOOP
 
-from jspec.launch import cli, train_rl
+from jspec.jobs import cli, train_rl
 
 ERRORS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 QUIET = ["--quiet"]
@@ -47,9 +47,9 @@ def remove_state(step: pathlib.Path) -> None:
 
 
 def terminal(*args: str) -> str:
-    """What `python -m jspec.launch.train_rl ARGS` prints (its own process: what a person sees,
+    """What `python -m jspec.jobs.train_rl ARGS` prints (its own process: what a person sees,
     stray reports of background threads included); it must succeed."""
-    command = [sys.executable, "-m", "jspec.launch.train_rl", *args]
+    command = [sys.executable, "-m", "jspec.jobs.train_rl", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr

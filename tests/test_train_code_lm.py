@@ -1,6 +1,6 @@
-"""`launch/train_code_lm.py` at toy size, its batch split over two devices: a run that stops at its
-time limit or dies in the middle of a stage resumes from its newest step checkpoint and ends where
-the uninterrupted run ends."""
+"""`jspec/jobs/train_code_lm.py` at toy size, its batch split over two devices: a run that stops
+at its time limit or dies in the middle of a stage resumes from its newest step checkpoint and
+ends where the uninterrupted run ends."""
 
 import argparse
 import subprocess
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError
-from jspec.launch import bench_rollout, train_code_lm
+from jspec.jobs import train_code_lm
 from jspec.models import hf_eagle3
 
 ARGS = [
@@ -34,7 +35,7 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     train_code_lm.main([*ARGS, "--run-dir", str(whole)])
     args = [*ARGS, "--run-dir", str(killed)]
     stopped = subprocess.run(
-        [sys.executable, "-m", "jspec.launch.train_code_lm", *args, "--stop-after", "0"],
+        [sys.executable, "-m", "jspec.jobs.train_code_lm", *args, "--stop-after", "0"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert stopped.returncode == train_code_lm.EXIT_RESUME, stopped.stderr[-2000:]

@@ -33,7 +33,7 @@ from jspec.attention.pallas_gpu import _SQ, _dot, plgpu
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """How the kernel cuts its work (`launch/bench_decode_kernel.py` times the choices)."""
+    """How the kernel cuts its work (`jspec/bench/decode_kernel.py` times the choices)."""
 
     block_k: int = 64  # cache slots per step of a program's loop
     query_tile: int = 64  # query rows (G heads x R queries, padded) per program

@@ -57,7 +57,7 @@ class Tiles(NamedTuple):
     """Tiles of the three kernels. Sizes are powers of two >= 16 (Triton's dot).
 
     The defaults won a sweep on one H200 (jax 0.11.2) at T=32K, 32/8 heads, D=128, bf16, causal:
-    `jspec/launch/check_gpu_attention.py` reruns it.
+    `jspec/bench/check_gpu_attention.py` reruns it.
     """
 
     fwd: Tile = Tile(128, 128, 8, 3)

@@ -43,7 +43,6 @@ from jspec import mesh as mesh_lib
 from jspec.attention import attention
 from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, ModelConfig
-from jspec.models import hf
 from jspec.models.transformer import (
     CacheWriter,
     KVCache,
@@ -52,7 +51,6 @@ from jspec.models.transformer import (
     _param,
     attention_sublayer,
     cache_attention,
-    create,
     create_sharded,
     fuse_products,
     last_valid,
@@ -431,31 +429,3 @@ class ExternalDraft(nnx.Module):
         return TreeKV.empty(
             c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype)
         )
-
-
-def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):
-    """The draft `config` (a `DraftConfig`) describes for `target`, checked against it; None for
-    kind 'none'. Loads `config.path` when given (an EAGLE-3 draft carrying an embedding copy other
-    than the target's is refused unless `config.allow_other_target`), else initialises randomly."""
-    from jspec.models import hf_eagle3  # it imports this module
-
-    config.validate()
-    if config.kind == "none":
-        return None
-    if config.kind == "eagle3":
-        if config.path is not None:
-            draft, _ = hf_eagle3.load(
-                config.path,
-                mesh=mesh,
-                target_embedding=target.embed[...],
-                allow_other_target=config.allow_other_target,
-            )
-        else:
-            layer = Eagle3Config.for_target(target.config, config.vocab_size)
-            draft = create_eagle3(layer, mesh=mesh, seed=seed)
-    elif config.path is not None:
-        draft = ExternalDraft(hf.load(config.path, mesh=mesh))
-    else:
-        draft = ExternalDraft(create(config.model, mesh=mesh, seed=seed))
-    check_target(draft, target.config)
-    return draft

@@ -80,7 +80,7 @@ def make_train_step(
 ):
     """A jitted `step(state, batch) -> (state, metrics)`: `make_loss`'s gradients, one update of
     the groups `trained` by `tx` ('policy', and 'draft' when co-trained). `step.lower(state,
-    batch)` lowers it ahead of time (abstract arrays are enough: `jspec.plan`)."""
+    batch)` lowers it ahead of time (abstract arrays are enough: `jspec.jobs.plan`)."""
     losses = make_loss(networks, rl, rollout, objective=objective, num_sequences=num_sequences)
 
     def step(state: TrainState, batch: PackedBatch):
@@ -108,7 +108,7 @@ def make_train_step(
             compiled["step"] = jitted(state)
         return compiled["step"](state, batch)
 
-    # Ahead of time, from abstract arrays with shardings (jspec.plan): run.lower(state, batch).
+    # Ahead of time, from abstract arrays with shardings (jspec.jobs.plan): run.lower(state, batch).
     run.lower = lambda state, batch: jitted(state).lower(state, batch)
     return run
 

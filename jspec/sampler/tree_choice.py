@@ -10,7 +10,7 @@ shrinks as the batch grows, down to a chain or to no tree at all, as FastGRPO fo
 concurrency. `choose_tree` takes the candidate of largest L / c, plain decoding always among them,
 so by its own measurements the choice is never slower than plain decoding.
 
-The costs are measured per batch size by `launch/bench_rollout.py` (read its JSON with
+The costs are measured per batch size by `jspec/bench/rollout.py` (read its JSON with
 `StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; tokens per row-step
 come from rollouts (`RolloutStats.tokens_per_row_step`), which drift as policy and draft train:
 `TreeChooser` keeps a running estimate per tree and picks again before every rollout batch.
@@ -54,12 +54,12 @@ class StepCosts:
 
     @classmethod
     def from_bench(cls, path: str | pathlib.Path) -> StepCosts:
-        """The costs in a JSON written by `launch/bench_rollout.py` (its rows' `speculative`)."""
+        """The costs in a JSON written by `jspec/bench/rollout.py` (its rows' `speculative`)."""
         return cls.from_rows(json.loads(pathlib.Path(path).read_text())["rows"])
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> StepCosts:
-        """The costs in the rows of `launch/bench_rollout.py`'s JSON."""
+        """The costs in the rows of `jspec/bench/rollout.py`'s JSON."""
         rows = sorted(rows, key=lambda r: r["batch"])
         trees = set.intersection(*(set(r["speculative"]) for r in rows))
         cost = {t: tuple(r["speculative"][t]["step_in_decode_steps"] for r in rows) for t in trees}
@@ -124,12 +124,12 @@ class TreeChooser:
     @classmethod
     def from_bench(cls, path: str | pathlib.Path, **kw) -> TreeChooser:
         """Costs, trees and priors (accepted length x busy, the mean over the batch sizes; plain
-        decoding's busy under None) from a JSON of `launch/bench_rollout.py` that timed
+        decoding's busy under None) from a JSON of `jspec/bench/rollout.py` that timed
         speculative steps."""
         if not pathlib.Path(path).is_file():
             raise ConfigError(
                 f"rl.tree_costs={str(path)!r} is not a file: write one with `python -m "
-                "jspec.launch.bench_rollout` on the rollout machine, or unset rl.tree_costs."
+                "jspec.bench.rollout` on the rollout machine, or unset rl.tree_costs."
             )
         data = json.loads(pathlib.Path(path).read_text())
         if not data.get("trees") or not all(r["speculative"] for r in data["rows"]):

@@ -1,10 +1,10 @@
 """RL with speculative rollouts and an online co-trained draft: SFT warm start, then GRPO.
 
-    python -m jspec.launch.train_rl                      # jspec/configs/demo.yaml, co-trained
-    python -m jspec.launch.train_rl --draft frozen       # the draft stops learning after SFT
-    python -m jspec.launch.train_rl --draft none         # plain decoding, no draft
-    python -m jspec.launch.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
-    python -m jspec.launch.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
+    python -m jspec.jobs.train_rl                      # configs/demo.yaml, co-trained
+    python -m jspec.jobs.train_rl --draft frozen       # the draft stops learning after SFT
+    python -m jspec.jobs.train_rl --draft none         # plain decoding, no draft
+    python -m jspec.jobs.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
+    python -m jspec.jobs.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
 
 The warm start trains the policy on the task's worked answers and the draft on the policy's own
 features (the same train step, a supervised objective), so RL starts from a policy that sometimes
@@ -17,7 +17,7 @@ rl.max_lag = k >= 1 the rollouts of step n + 1 run while step n trains, on weigh
 (the loss's importance ratio uses the log-probabilities recorded under them), and the new policy and
 draft weights move to the sampler after each train step, device to device.
 
-On many hosts (`jspec-launch train_rl ...`, jspec.launch.distributed) each process builds, samples
+On many hosts (`jspec-launch train_rl ...`, jspec.jobs.distributed) each process builds, samples
 and scores only the rows its devices hold (`jspec.hosts`); process 0 writes metrics and logs, and
 every process takes part in each orbax checkpoint (the run directory must be shared).
 
@@ -26,7 +26,7 @@ line per RL step: reward, losses, draft agreement, mean accepted length, rollout
 rollout / train / weight transfer / step time, the lag of the batch's weights in steps),
 TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
 steps, with the config beside). Run again to resume from the latest checkpoint.
-`jspec/launch/plot_runs.py` draws several runs' metrics.
+`jspec/jobs/plot_runs.py` draws several runs' metrics.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from jspec import config as config_lib
 from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
-from jspec.launch import cli
+from jspec.jobs import cli
 from jspec.models import create
-from jspec.models.draft import from_config as draft_from_config
+from jspec.models.draft_factory import from_config as draft_from_config
 from jspec.rl import grpo, packing, rollouts, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
@@ -64,7 +64,7 @@ from jspec.sampler.tree_choice import TreeChooser
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.steps=60")
-    p.add_argument("--config", default="demo", help="config name in jspec/configs/ or a YAML path")
+    p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
     p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many RL steps")

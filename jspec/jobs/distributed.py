@@ -11,10 +11,10 @@ program over all devices of one mesh. Where the processes meet comes from, in th
   the process id, JSPEC_NUM_PROCESSES the count, and the coordinator the pod of index 0 (JobSet's
   DNS name `<jobset>-<job>-0-0.<jobset>`, or JSPEC_COORDINATOR);
 - SLURM (`launch/slurm.sbatch`, one task per host under `srun`): JAX reads SLURM_* itself.
-Nothing of these: one process, as on a laptop. The job is a module of `jspec.launch` (`train_rl`,
-`demo`, `bench_rollout`, ...) or any dotted module with a `main(argv)`. What a job does on many
-hosts is its own: `train_rl` loads each host's rows only (`jspec.hosts`), writes metrics and logs
-from process 0, and saves orbax checkpoints from all processes into one shared directory.
+Nothing of these: one process, as on a laptop. The job is a module of `jspec.jobs` (`train_rl`,
+`demo`, ...) or any dotted module with a `main(argv)` (`jspec.bench.rollout`). What a job does on
+many hosts is its own: `train_rl` loads each host's rows only (`jspec.hosts`), writes metrics and
+logs from process 0, and saves orbax checkpoints from all processes into one shared directory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 
 from jspec.config import ConfigError
-from jspec.launch import cli
+from jspec.jobs import cli
 
 PORT = 8476
 
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
-    p.add_argument("job", help="a module of jspec.launch (train_rl, demo, ...) or a dotted module")
+    p.add_argument("job", help="a module of jspec.jobs (train_rl, demo, ...) or a dotted module")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the job's own arguments")
     return p.parse_args(argv)
 
@@ -80,15 +80,15 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int |
 
 def job_main(name: str):
     """The `main(argv)` of job `name`."""
-    module = name if "." in name else f"jspec.launch.{name}"
+    module = name if "." in name else f"jspec.jobs.{name}"
     try:
         return importlib.import_module(module).main
     except ModuleNotFoundError as error:
         if error.name != module:
             raise
         raise ConfigError(
-            f"job {name!r}: no module {module}; use a module of jspec.launch (train_rl, demo, "
-            "bench_rollout, ...) or a dotted module path with a main(argv)."
+            f"job {name!r}: no module {module}; use a module of jspec.jobs (train_rl, demo, "
+            "...) or a dotted module path with a main(argv), e.g. jspec.bench.rollout."
         ) from None
 
 

@@ -1,7 +1,7 @@
-"""Plots runs of jspec.launch.train_rl against step: mean accepted length, draft agreement, reward.
+"""Plots runs of jspec.jobs.train_rl against step: mean accepted length, draft agreement, reward.
 
-    python -m jspec.launch.plot_runs runs/demo-cotrain runs/demo-frozen --out runs/compare.png
-    python -m jspec.launch.plot_runs runs/shift-*-seed* --out shift.png     # seeds of a run pooled
+    python -m jspec.jobs.plot_runs runs/demo-cotrain runs/demo-frozen --out runs/compare.png
+    python -m jspec.jobs.plot_runs runs/shift-*-seed* --out shift.png     # seeds of a run pooled
 
 Each run directory holds a metrics.jsonl. Runs whose names differ only by a trailing `-seed<N>`
 are drawn as one line (the mean over seeds) with a band from the lowest to the highest seed.
@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from jspec.config import ConfigError
-from jspec.launch import cli
+from jspec.jobs import cli
 
 PANELS = (
     ("accepted_length", "mean accepted length"),

@@ -1,6 +1,6 @@
 """How a job meets the shell: exit status 0 on success, 2 with one or two lines on bad input.
 
-Every console script and `python -m jspec.launch.<job>` runs its job's `main(argv)` through `run`.
+Every console script and `python -m jspec.jobs.<job>` runs its job's `main(argv)` through `run`.
 A job's `main` may return a value (a run directory, a plan, a table) for Python callers; the shell
 sees 0. An input a person can fix (a `ConfigError`: a config value, a missing or corrupt
 checkpoint, a run directory that cannot be written) prints `error: <message>` and exits 2, no
@@ -60,22 +60,16 @@ def run_directory(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _script(module: str) -> Callable[[], int]:
+def entry(module: str) -> Callable[[], int]:
     """A console script's entry point: `module`'s main under `run`."""
     return lambda: run(importlib.import_module(module).main)
 
 
-# The console scripts' entry points (pyproject.toml's [project.scripts]).
-train_rl = _script("jspec.launch.train_rl")
-demo = _script("jspec.launch.demo")
-plan = _script("jspec.plan")
-launch = _script("jspec.launch.distributed")
-plot_runs = _script("jspec.launch.plot_runs")
-bench_attention = _script("jspec.launch.bench_attention")
-bench_moe = _script("jspec.launch.bench_moe")
-bench_rollout = _script("jspec.launch.bench_rollout")
-bench_pipeline = _script("jspec.launch.bench_pipeline")
-bench_async_rl = _script("jspec.launch.bench_async_rl")
-bench_decode_kernel = _script("jspec.launch.bench_decode_kernel")
-train_code_lm = _script("jspec.launch.train_code_lm")
-check_gpu_attention = _script("jspec.launch.check_gpu_attention")
+# The jobs' console scripts (pyproject.toml's [project.scripts]; the measurements' are in
+# jspec.bench.scripts).
+train_rl = entry("jspec.jobs.train_rl")
+demo = entry("jspec.jobs.demo")
+plan = entry("jspec.jobs.plan")
+launch = entry("jspec.jobs.distributed")
+plot_runs = entry("jspec.jobs.plot_runs")
+train_code_lm = entry("jspec.jobs.train_code_lm")

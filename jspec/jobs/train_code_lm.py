@@ -16,11 +16,11 @@ stage checkpoints every `--save-minutes`: a run that dies resumes from the newes
 of the stage it was in (a finished stage is loaded, not trained again). Under a time limit (a
 job's, a lent machine's), `--stop-after MINUTES` saves the stage's step at that time and exits with
 status 75; the same command resumes.
-`python -m jspec.launch.bench_rollout --trained RUN_DIR` then measures plain and speculative
+`python -m jspec.bench.rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
 
-    python -m jspec.launch.train_code_lm --run-dir runs/code-1b             # on a GPU
-    python -m jspec.launch.train_code_lm --config tiny model.vocab_size=512 --steps 4 \
+    python -m jspec.jobs.train_code_lm --run-dir runs/code-1b             # on a GPU
+    python -m jspec.jobs.train_code_lm --config tiny model.vocab_size=512 --steps 4 \
         --draft-steps 2 --batch 2 --seq-len 128 --max-bytes 2000000 --run-dir /tmp/code  # CPU
 """
 
@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig
-from jspec.launch import cli
+from jspec.jobs import cli
 from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.draft_loss import draft_loss

@@ -1,8 +1,8 @@
 """The Pallas decode kernel (`jspec.attention.pallas_decode`) under each tiling, beside the XLA
 path it replaces: time, the cache bandwidth it reaches, and its error against XLA.
 
-    python -m jspec.launch.bench_decode_kernel               # on a GPU: the Qwen3-8B shape
-    python -m jspec.launch.bench_decode_kernel --device cpu --batches 2 --queries 1 --slots 128 \
+    python -m jspec.bench.decode_kernel               # on a GPU: the Qwen3-8B shape
+    python -m jspec.bench.decode_kernel --device cpu --batches 2 --queries 1 --slots 128 \
         --block-k 16 --num-warps 4 --num-stages 2 --target-programs 16   # smoke test, interpreted
 
 For each batch size and query count per row (1: a decode step; more: a verify tree), every tiling
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.attention import blocks, decode, pallas_decode
-from jspec.launch import cli
-from jspec.launch.timing import loop_seconds
+from jspec.bench.timing import loop_seconds
+from jspec.jobs import cli
 
 
 def parse_args(argv=None):

@@ -1,8 +1,9 @@
 """Will it fit? Per-device memory and FLOPs of a config's train step and rollout on a mesh,
 before booking the machines.
 
-    python -m jspec.plan --config qwen3-8b-256k
-    python -m jspec.plan --config qwen3-8b --mesh data=1,stage=1,context=8,tensor=8 --seq-len 262144
+    python -m jspec.jobs.plan --config qwen3-8b-256k
+    python -m jspec.jobs.plan --config qwen3-8b --mesh data=1,stage=1,context=8,tensor=8 \
+        --seq-len 262144
 
 The planner compiles the programs a run compiles (`jspec.rl.train.make_train_step` on packed rows,
 and `jspec.sampler.rollout`, the speculative rollout) for the mesh, ahead of time, from abstract
@@ -42,7 +43,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, RLConfig
-from jspec.launch import cli
+from jspec.jobs import cli
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft
 from jspec.models.transformer import Transformer
 from jspec.rl.packing import PackedBatch
@@ -56,7 +57,7 @@ GB = 1e9
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
-    p.add_argument("--config", required=True, help="config name in jspec/configs/ or a YAML path")
+    p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--mesh", default=None, help="e.g. data=8,stage=1,context=1,tensor=8")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training row")
     p.add_argument("--rows", type=int, default=None, help="training rows (default: mesh.data)")
@@ -204,7 +205,7 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
 
 def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batch: int):
     """The compiled speculative rollout of `batch` prompts of `prompt_len` tokens, its rows split
-    over data x context as `jspec.launch.train_rl` places them."""
+    over data x context as `jspec.jobs.train_rl` places them."""
 
     def run(params, prompts, lengths, key):
         policy, draft = networks.models(params)
@@ -225,7 +226,7 @@ def plan(cfg: config_lib.Config, seq_len: int, rows: int | None = None,
     if len(jax.devices()) < need:
         raise ConfigError(
             f"mesh {sizes} needs {need} devices, this process has {len(jax.devices())}; run "
-            "`python -m jspec.plan` (it makes the virtual CPU devices), or set XLA_FLAGS="
+            "`python -m jspec.jobs.plan` (it makes the virtual CPU devices), or set XLA_FLAGS="
             f"--xla_force_host_platform_device_count={need} before jax starts."
         )
     mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:need])

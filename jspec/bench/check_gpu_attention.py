@@ -1,7 +1,7 @@
 """The Pallas block kernel on one GPU: correctness against the reference, then speed.
 
-    python -m jspec.launch.check_gpu_attention            # everything, JSON to $OUT
-    python -m jspec.launch.check_gpu_attention --no-sweep --iters 3
+    python -m jspec.bench.check_gpu_attention            # everything, JSON to $OUT
+    python -m jspec.bench.check_gpu_attention --no-sweep --iters 3
 
 1. Correctness at small shapes (packed documents with padding, GQA, bf16 and float32): the
    kernel's output and gradients (through `attention(impl="pallas")`, and block-level `fwd`/`bwd`
@@ -34,8 +34,8 @@ import numpy as np
 
 from jspec.attention import attention, blocks, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
-from jspec.launch import cli
-from jspec.launch.timing import time_compiled
+from jspec.bench.timing import time_compiled
+from jspec.jobs import cli
 
 # Correctness cases of the self-attention check: (head dim, dtype).
 CASES = ((128, jnp.bfloat16), (128, jnp.float32), (64, jnp.bfloat16))

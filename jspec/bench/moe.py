@@ -1,7 +1,7 @@
 """Benchmark of one mixture-of-experts decoder layer against a dense layer of the same active size.
 
-    python -m jspec.launch.bench_moe --device cpu      # tiny shapes, 8 virtual CPU devices
-    python -m jspec.launch.bench_moe --device gpu      # Qwen3-30B-A3B layer; --ep 1 2 on two
+    python -m jspec.bench.moe --device cpu      # tiny shapes, 8 virtual CPU devices
+    python -m jspec.bench.moe --device gpu      # Qwen3-30B-A3B layer; --ep 1 2 on two
 
 One decoder layer (`jspec.models.transformer.Block`: attention and MLP, as the model runs it) of
 `--config` (default: Qwen3-30B-A3B on gpu, the tiny test model with 8 experts on cpu), and the same
@@ -27,7 +27,7 @@ import json
 import sys
 
 from jspec import mesh as mesh_lib
-from jspec.launch import cli
+from jspec.jobs import cli
 
 CPU_DEFAULTS = ("tiny", ["model.num_experts=8", "model.num_experts_per_tok=2",
                          "model.moe_intermediate_size=32"])  # fmt: skip
@@ -134,8 +134,8 @@ def main(argv=None):
     import numpy as np
 
     from jspec import config as config_lib
+    from jspec.bench.timing import time_compiled
     from jspec.config import MeshConfig
-    from jspec.launch.timing import time_compiled
     from jspec.mesh import make_mesh, sharding
 
     if args.device == "gpu":

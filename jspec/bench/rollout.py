@@ -1,8 +1,8 @@
 """Rollout speed: plain decoding through `jspec.sampler.generate`, and the cost of verifying a draft
 tree against one decode step, per batch size, and the cost of a whole speculative step.
 
-    python -m jspec.launch.bench_rollout --config qwen3-8b --batches 1 16 64  # on a GPU
-    python -m jspec.launch.bench_rollout --device cpu --config tiny --batches 2 \
+    python -m jspec.bench.rollout --config qwen3-8b --batches 1 16 64  # on a GPU
+    python -m jspec.bench.rollout --device cpu --config tiny --batches 2 \
         --prompt-len 64 --new-tokens 16                                       # a smoke test
 
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
@@ -16,7 +16,7 @@ memory floor of a decode step is (weights + KV cache read) / the copy bandwidth 
 cache updates) is timed the same way and reported in decode steps: the accepted length at which
 it breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
-draft written by `jspec.launch.train_code_lm`: then prompts are held-out source files, and each
+draft written by `jspec.jobs.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
 of `generate`, over `--acceptance-rows` distinct prompts: a small batch runs several batches of
 them) and the speedup predicted from the verify cost curve, the draft's proposal and the loop's
@@ -53,9 +53,9 @@ from flax import nnx
 from jspec import config as config_lib
 from jspec.attention import decode as decode_attention
 from jspec.attention.decode import cache_slots
+from jspec.bench.timing import best_time, loop_seconds
 from jspec.config import RolloutConfig, TreeConfig
-from jspec.launch import cli
-from jspec.launch.timing import best_time, loop_seconds
+from jspec.jobs import cli
 from jspec.models import create, hf, hf_eagle3, transformer
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.sampler import compile_generate, decoding, generate
@@ -128,7 +128,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--trained",
         metavar="RUN_DIR",
-        help="target, draft and held-out prompts written by jspec.launch.train_code_lm",
+        help="target, draft and held-out prompts written by jspec.jobs.train_code_lm",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -651,7 +651,7 @@ def random_models(args, dtype: str | None = None):
 
 
 def trained(args, dtype: str = "bfloat16"):
-    """Target and draft of `jspec.launch.train_code_lm` in `dtype`, and prompts: the first
+    """Target and draft of `jspec.jobs.train_code_lm` in `dtype`, and prompts: the first
     `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
     run = pathlib.Path(args.trained)
     target = hf.load(run / "target", dtype=dtype)

@@ -1,10 +1,10 @@
 """Asynchronous against synchronous RL on two devices: step time, tokens/s, weight transfer time.
 
-    python -m jspec.launch.bench_async_rl                         # 1.2B policy, two GPUs
+    python -m jspec.bench.async_rl                         # 1.2B policy, two GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        python -m jspec.launch.bench_async_rl --small             # to try it on a CPU
+        python -m jspec.bench.async_rl --small             # to try it on a CPU
 
-Runs jspec.launch.train_rl once per draft (co-trained, none) and mode:
+Runs jspec.jobs.train_rl once per draft (co-trained, none) and mode:
     sync        rl.max_lag=0, rollouts and training both on the two devices (data parallel)
     sync-split  rl.max_lag=0, one rollout device and one training device: the split, no overlap
     async       rl.max_lag=1, the same split: the rollouts of step n + 1 run while step n trains
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jspec import config as config_lib
-from jspec.launch import cli, train_rl
+from jspec.jobs import cli, train_rl
 
 MODES = {
     "sync": ["rl.max_lag=0"],

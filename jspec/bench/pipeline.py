@@ -1,7 +1,7 @@
 """Benchmark of the pipelined policy: train-step time with the taps off and on, and the bubble.
 
-    python -m jspec.launch.bench_pipeline --device cpu   # tiny model, 2 and 4 stages, 8 CPUs
-    python -m jspec.launch.bench_pipeline --device gpu   # Qwen3-0.6B, 2 stages on 2 GPUs
+    python -m jspec.bench.pipeline --device cpu   # tiny model, 2 and 4 stages, 8 CPUs
+    python -m jspec.bench.pipeline --device gpu   # Qwen3-0.6B, 2 stages on 2 GPUs
 
 For each pipeline (stages S, microbatches M, repeats R) it times the jitted forward + backward of
 the pipelined policy (`jspec.pipeline`) on `--batch` rows of `--seq` tokens: with the taps off (the
@@ -27,7 +27,7 @@ import sys
 import time
 
 from jspec import mesh as mesh_lib
-from jspec.launch import cli
+from jspec.jobs import cli
 
 DEFAULTS = {  # device: (config, overrides, batch, seq, stages, microbatches, repeats)
     "cpu": ("tiny", ["model.remat=full"], 8, 64, [2, 4], [4, 8], [1, 2]),

@@ -1,7 +1,7 @@
 """Benchmark of jspec.attention: time and memory of context parallelism, ring vs all-gather.
 
-    python -m jspec.launch.bench_attention --device cpu --mean-doc 2048   # 8 virtual CPU devices
-    python -m jspec.launch.bench_attention --device gpu --cp 1 2 --scaling weak --seq 131072 \
+    python -m jspec.bench.attention --device cpu --mean-doc 2048   # 8 virtual CPU devices
+    python -m jspec.bench.attention --device gpu --cp 1 2 --scaling weak --seq 131072 \
         --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --branch-steps 6
 
 For each method (the zigzag ring; the all-gather baseline, which gathers K/V over the context axis
@@ -26,7 +26,7 @@ import json
 import sys
 
 from jspec import mesh as mesh_lib
-from jspec.launch import cli
+from jspec.jobs import cli
 
 # Document lengths are multiples of this: 2 * cp chunks of a multiple of 64 tokens for every cp
 # up to 8, so one packing serves every row of a series.
@@ -219,7 +219,7 @@ def fwd_bwd_of(loss):
 
 def time_row(attend, layers, inputs, iters, flops_fwd, cp):
     """Times, per-GPU TFLOP/s and temporary memory of the forward and the forward+backward."""
-    from jspec.launch.timing import time_compiled
+    from jspec.bench.timing import time_compiled
 
     loss = stacked_loss(attend, layers)
     row = {}

@@ -1,8 +1,8 @@
 """CPU demo: a small Qwen3-style model generates plainly and speculatively, and checks itself.
 
-    python -m jspec.launch.demo                     # jspec/configs/demo.yaml, random weights
-    python -m jspec.launch.demo --config tiny model.num_layers=12 rollout.max_new_tokens=64
-    python -m jspec.launch.demo --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint
+    python -m jspec.jobs.demo                     # configs/demo.yaml, random weights
+    python -m jspec.jobs.demo --config tiny model.num_layers=12 rollout.max_new_tokens=64
+    python -m jspec.jobs.demo --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint
 
 Both runs are one jitted program each (`jspec.sampler.generate`): plain decoding, then speculative
 decoding with the draft and tree of the config's `rollout` section. With greedy decoding the two
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import config as config_lib
-from jspec.launch import cli
-from jspec.models import create, draft, hf
+from jspec.jobs import cli
+from jspec.models import create, draft_factory, hf
 from jspec.sampler import generate
 
 
@@ -58,7 +58,7 @@ def main(argv=None):
     prompts = jnp.asarray(rng.integers(0, c.vocab_size, (b, t)), jnp.int32)
     lengths = jnp.asarray(rng.integers(t // 2, t + 1, b), jnp.int32)  # ragged prompts
     prompts = jnp.where(jnp.arange(t) < lengths[:, None], prompts, 0)
-    drafter = draft.from_config(rollout.draft, model, seed=cfg.seed)
+    drafter = draft_factory.from_config(rollout.draft, model, seed=cfg.seed)
 
     runs = {"plain": None, f"speculative ({rollout.draft.kind} draft)": drafter}
     results = {}

@@ -95,8 +95,6 @@ def test_tasks_reward_exactly_and_shift():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rl.task.name=multiplication"], r"rl.task.name='multiplication' is not a task; use one"),
-        (["rl.task.shifted_name=sortin"], r"Did you mean 'sorting'"),
         (["rl.group_size=1"], r"rl.group_size=1: group-relative advantages need at least 2"),
         (["rl.sequences_per_row=3"], r"rl.sequences_per_row=3 does not divide the batch"),
         (["rl.normalization=batch"], r"rl.normalization='batch' is not one of 'token'"),
@@ -105,6 +103,18 @@ def test_tasks_reward_exactly_and_shift():
 def test_bad_rl_config_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config.load("demo", overrides)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.task.name=multiplication", r"rl.task.name='multiplication' is not a task; use one"),
+        ("rl.task.shifted_name=sortin", r"rl.task.shifted_name='sortin' .* Did you mean 'sorting'"),
+    ],
+)
+def test_unknown_tasks_are_named_by_the_task_list(override, message):
+    with pytest.raises(ConfigError, match=message):
+        tasks.check_tasks(config.load("demo", [override]).rl.task)
 
 
 def test_rollouts_grpo_cannot_learn_from_are_named():

@@ -93,6 +93,7 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             f"config {cfg.name!r} has no rl section; add one (see configs/demo.yaml)."
         )
     rl = cfg.rl
+    tasks.check_tasks(rl.task)
     rl.check_rollout(cfg.rollout)
     if rl.rollout_mesh is not None and cfg.pipeline.stages > 1:
         raise ConfigError(

@@ -14,6 +14,7 @@ shift to a harder one (`TaskConfig.shift_step`) makes the policy move part-way t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -72,12 +73,21 @@ TASKS: dict[str, Callable[[np.random.Generator, int], Problem]] = {
 }
 
 
-def check_task(name: str) -> None:
+def check_task(name: str, where: str = "rl.task.name") -> None:
+    """Raises ConfigError unless `name` is a task of TASKS (the one list of their names)."""
     if name not in TASKS:
+        close = difflib.get_close_matches(name, list(TASKS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
-            f"task {name!r} does not exist; use one of {', '.join(map(repr, TASKS))} "
-            "(jspec.rl.tasks.TASKS)."
+            f"{where}={name!r} is not a task; use one of {', '.join(map(repr, TASKS))}.{hint}"
         )
+
+
+def check_tasks(config: TaskConfig) -> None:
+    """The task, and the task it shifts to, are tasks of TASKS."""
+    check_task(config.name, "rl.task.name")
+    if config.shifted_name is not None:
+        check_task(config.shifted_name, "rl.task.shifted_name")
 
 
 def task_at(config: TaskConfig, step: int) -> tuple[str, int]:

@@ -1,0 +1,178 @@
+"""What an RL run does: the task, GRPO and the draft's co-training, asynchronous rollouts, and
+the checks an RL run makes of the rollouts and the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jspec.config.errors import ConfigError, choice
+from jspec.config.parallel import MeshConfig
+from jspec.config.rollout import RolloutConfig
+
+_NORMALIZATIONS = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """A verifiable task (`jspec.rl.tasks`): `name` at `difficulty` (digits, list or string
+    length), shifted to `shifted_name` / `shifted_difficulty` from RL step `shift_step` on (0:
+    never), so the policy is made to move part-way through a run. The names are the keys of
+    `jspec.rl.tasks.TASKS`, checked there (`check_task`) when a run is checked."""
+
+    name: str = "addition"
+    difficulty: int = 2
+    shift_step: int = 0
+    shifted_name: str | None = None
+    shifted_difficulty: int | None = None
+
+    def validate(self, where: str = "rl.task") -> None:
+        for field in ("difficulty", "shifted_difficulty"):
+            value = getattr(self, field)
+            if value is not None and not 1 <= value <= 8:
+                raise ConfigError(f"{where}.{field}={value} must be in [1, 8].")
+        if self.shift_step < 0:
+            raise ConfigError(f"{where}.shift_step={self.shift_step} must be >= 0 (0: no shift).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO with an online co-trained draft (`jspec.rl`).
+
+    Each RL step samples `prompts` prompts, `group_size` responses each (the batch is their
+    product), packs `sequences_per_row` sequences into each training row, and makes one update of
+    policy and draft. The draft loss (weight `draft_loss_weight`) runs the trunk pass and
+    `ttt_steps` branch steps of the training-time test, step i weighted `ttt_decay`**i, in chunks of
+    `loss_chunk` tokens along the sequence. Policy and draft have their own learning rate and
+    gradient clipping. `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
+
+    Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
+    `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
+    n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
+
+    `tree_costs`: a JSON of `jspec/bench/rollout.py` (speculative steps timed on this machine);
+    each rollout batch then verifies the tree that pays most at its batch size, by those costs and
+    the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
+    always `rollout.tree`.
+
+    `tokenizer`: 'bytes' (the toy demo's byte tokenizer) or the path of a `tokenizer.json`, whose
+    responses end at `eos_token` (`jspec.tokenizers`); `rollout.eos_id`, when unset, is that
+    token's id.
+    """
+
+    task: TaskConfig = TaskConfig()
+    tokenizer: str = "bytes"
+    eos_token: str | None = None
+    steps: int = 40
+    prompts: int = 8
+    group_size: int = 8
+    sequences_per_row: int = 4
+    sft_steps: int = 300
+    sft_batch: int = 64
+    learning_rate: float = 1e-4
+    sft_learning_rate: float = 3e-3
+    draft_learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    draft_max_grad_norm: float = 1.0
+    clip_epsilon: float = 0.2
+    kl_coef: float = 0.0
+    normalization: str = "token"
+    draft_loss_weight: float = 1.0
+    ttt_steps: int = 6
+    ttt_decay: float = 0.8
+    loss_chunk: int = 64
+    save_every: int = 10
+    keep_checkpoints: int = 3
+    max_lag: int = 0
+    rollout_mesh: MeshConfig | None = None
+    tree_costs: str | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.group_size
+
+    def validate(self, where: str = "rl") -> None:
+        self.task.validate(f"{where}.task")
+        for name in ("steps", "prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"{where}.group_size={self.group_size}: group-relative advantages need at least 2 "
+                "responses per prompt."
+            )
+        for name in ("sft_steps", "kl_coef", "draft_loss_weight", "ttt_steps", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")
+        for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
+        if self.batch % self.sequences_per_row:
+            raise ConfigError(
+                f"{where}.sequences_per_row={self.sequences_per_row} does not divide the batch "
+                f"{where}.prompts * {where}.group_size = {self.batch}; pick a divisor of it."
+            )
+        choice(f"{where}.normalization", self.normalization, _NORMALIZATIONS)
+        if not 0 < self.ttt_decay <= 1:
+            raise ConfigError(f"{where}.ttt_decay={self.ttt_decay} must be in (0, 1].")
+        self._validate_async(where)
+
+    def _validate_async(self, where: str) -> None:
+        """The fields of asynchronous RL: the lag, and a rollout mesh of fixed sizes."""
+        if self.max_lag < 0:
+            raise ConfigError(
+                f"{where}.max_lag={self.max_lag} must be >= 0: 0 is synchronous RL, k >= 1 lets "
+                "the rollouts run on weights up to k steps older than the trainer's."
+            )
+        if self.max_lag and self.rollout_mesh is None:
+            raise ConfigError(
+                f"{where}.max_lag={self.max_lag} needs {where}.rollout_mesh: rollouts run ahead of "
+                "the trainer on devices of their own (e.g. rl.rollout_mesh.data=4 gives the last 4 "
+                f"devices to the sampler); set it, or {where}.max_lag=0 for synchronous RL."
+            )
+        for axis, size in dataclasses.asdict(self.rollout_mesh or MeshConfig(data=1)).items():
+            if size < 1:
+                raise ConfigError(
+                    f"{where}.rollout_mesh.{axis}={size}: the rollout mesh takes a fixed number "
+                    "of devices, so every axis needs a size >= 1 (the training mesh, `mesh`, "
+                    "takes the devices left over)."
+                )
+
+    def check_rollout(self, rollout: RolloutConfig) -> None:
+        """Raises ConfigError for rollouts GRPO cannot learn from (checked by an RL run only, so
+        the same config still decodes greedily elsewhere)."""
+        if rollout.temperature <= 0 or rollout.top_p != 1 or rollout.top_k != 0:
+            raise ConfigError(
+                f"rollout.temperature={rollout.temperature}, top_p={rollout.top_p}, "
+                f"top_k={rollout.top_k}: GRPO needs sampled rollouts whose log-probabilities the "
+                "train step recomputes exactly; set rollout.temperature > 0, top_p=1, top_k=0."
+            )
+
+    def check_mesh(self, sizes: dict[str, int], rollout: dict[str, int] | None = None) -> None:
+        """Raises ConfigError when the batch does not split over the meshes (before compiling):
+        rollout rows over data x context of the rollout mesh (`rollout`; None: the training
+        mesh's `sizes`), packed training rows over data."""
+        where = "mesh" if rollout is None else "rl.rollout_mesh"
+        rollout = sizes if rollout is None else rollout
+        decode = rollout["data"] * rollout["context"]
+        rows = self.batch // self.sequences_per_row
+        if self.batch % decode:
+            raise ConfigError(
+                f"the RL batch rl.prompts * rl.group_size = {self.prompts} * {self.group_size} = "
+                f"{self.batch} does not split over the {decode} rollout shards ({where}.data * "
+                f"{where}.context = {rollout['data']} * {rollout['context']}); make it a multiple "
+                f"of {decode}, e.g. rl.prompts={-(-decode // math.gcd(decode, self.group_size))}."
+            )
+        if rows % sizes["data"]:
+            raise ConfigError(
+                f"the {rows} packed training rows (batch {self.batch} / rl.sequences_per_row="
+                f"{self.sequences_per_row}) do not split over mesh.data={sizes['data']}; lower "
+                "rl.sequences_per_row or raise rl.prompts so the rows are a multiple of it."
+            )
+        sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)
+        if rem or sft_rows % sizes["data"]:
+            raise ConfigError(
+                f"rl.sft_batch={self.sft_batch} must be a multiple of rl.sequences_per_row * "
+                f"mesh.data = {self.sequences_per_row} * {sizes['data']}, so its packed rows "
+                "split over the data axis."
+            )

@@ -1,0 +1,152 @@
+"""How rollouts are generated: sampling, stopping, the draft and the tree it proposes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jspec.config.errors import ConfigError, choice
+from jspec.config.model import ModelConfig
+
+_TREE_KINDS = ("chain", "static", "dynamic")
+_DRAFT_KINDS = ("eagle3", "external", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """The draft tree each verify step checks.
+
+    kind 'chain': `depth` nodes in a line. 'static': the topology `parents` (parents[i] is node
+    i's parent, -1 for a child of the root, parents first). With `sampled`, chain and static
+    children are drawn from the draft and verified against its probabilities; otherwise they are
+    the draft's top-ranked tokens, verified as point masses. 'dynamic': an EAGLE-2 tree, `top_k`
+    children of the `top_k` best nodes per level for `depth` levels, reranked to `total_tokens`
+    nodes (point masses). `verify_budget` bounds the nodes of one verify forward.
+    """
+
+    kind: str = "chain"
+    depth: int = 4
+    parents: tuple[int, ...] | None = None
+    top_k: int = 4
+    total_tokens: int = 8
+    sampled: bool = True
+    verify_budget: int = 64
+
+    @property
+    def num_nodes(self) -> int:
+        if self.kind == "static":
+            return len(self.parents or ())
+        return self.depth if self.kind == "chain" else self.total_tokens
+
+    def validate(self, where: str = "rollout.tree") -> None:
+        choice(f"{where}.kind", self.kind, _TREE_KINDS)
+        if self.kind == "static":
+            parents = self.parents or ()
+            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+            if not parents or bad:
+                raise ConfigError(
+                    f"{where}.parents={self.parents}: a static tree needs at least one node, and "
+                    "each parent must be -1 (the root) or an earlier node's index"
+                    + (f"; parents[{bad[0]}]={parents[bad[0]]} is not." if bad else ".")
+                )
+        else:
+            for name in ("depth",) + (("top_k", "total_tokens") if self.kind == "dynamic" else ()):
+                if getattr(self, name) < 1:
+                    raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
+        if self.kind == "dynamic":
+            pool = self.top_k + (self.depth - 1) * self.top_k**2
+            if self.total_tokens > pool:
+                raise ConfigError(
+                    f"{where}.total_tokens={self.total_tokens} exceeds the {pool} candidates that "
+                    f"top_k={self.top_k} and depth={self.depth} propose; lower total_tokens or "
+                    "raise top_k or depth."
+                )
+        if self.num_nodes > self.verify_budget:
+            raise ConfigError(
+                f"{where}: a {self.kind} tree of {self.num_nodes} nodes exceeds "
+                f"{where}.verify_budget={self.verify_budget}; shrink the tree or raise the budget."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """The draft model that proposes trees.
+
+    kind 'eagle3': an EAGLE-3 head on the target's taps, from `path` (a checkpoint in the public
+    EAGLE-3 layout) or randomly initialised with a draft vocabulary of `vocab_size` most frequent
+    tokens (0: the target's whole vocabulary). 'external': a small decoder sharing the target's
+    tokenizer, from `path` (a Hugging Face checkpoint) or randomly initialised as `model`.
+    'none': plain decoding. A loaded EAGLE-3 draft that carries its own copy of the target's
+    embedding is refused when the copy differs from the target's (it was trained for another
+    target), unless `allow_other_target`, which loads it with a warning.
+    """
+
+    kind: str = "none"
+    path: str | None = None
+    vocab_size: int = 0
+    model: ModelConfig | None = None
+    allow_other_target: bool = False
+
+    def validate(self, where: str = "rollout.draft") -> None:
+        choice(f"{where}.kind", self.kind, _DRAFT_KINDS)
+        if self.kind == "external" and self.path is None and self.model is None:
+            raise ConfigError(
+                f"{where}.kind='external' needs {where}.path (a Hugging Face checkpoint) or "
+                f"{where}.model (a model config to initialise randomly)."
+            )
+        if self.model is not None:
+            self.model.validate(f"{where}.model")
+        if self.vocab_size < 0:
+            raise ConfigError(
+                f"{where}.vocab_size={self.vocab_size} must be >= 0 (0: the target's vocabulary)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How rollouts are generated: sampling, stopping, and the draft and tree that speed them up."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_id: int | None = None
+    draft: DraftConfig = DraftConfig()
+    tree: TreeConfig = TreeConfig()
+    # Rows decoded at once (0: every prompt). With fewer rows than prompts, a row whose completion
+    # ends takes the next prompt (continuous batching): rows do not idle until the slowest is done.
+    rows: int = 0
+    # Prompts prefilled together into free rows, the rows' first prompts too: a prefill's
+    # activations are of this many rows. A refill waits until that many rows are free. 0: every
+    # row at once when every prompt has a row, else a row in 8 (at least one per row shard).
+    refill_rows: int = 0
+
+    def validate(self, model: ModelConfig, where: str = "rollout") -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{where}.max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if not self.temperature >= 0:
+            raise ConfigError(
+                f"{where}.temperature={self.temperature} must be >= 0 (0 is greedy decoding)."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{where}.top_p={self.top_p} must be in (0, 1] (1 disables top-p).")
+        if self.top_k < 0:
+            raise ConfigError(f"{where}.top_k={self.top_k} must be >= 0 (0 disables top-k).")
+        if self.eos_id is not None and not 0 <= self.eos_id < model.vocab_size:
+            raise ConfigError(
+                f"{where}.eos_id={self.eos_id} is not a token of the vocabulary of size "
+                f"{model.vocab_size}; use the tokenizer's end-of-sequence id, or none."
+            )
+        for name in ("rows", "refill_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"{where}.{name}={getattr(self, name)} must be >= 0 (0: chosen for you)."
+                )
+        if self.rows and self.refill_rows > self.rows:
+            raise ConfigError(
+                f"{where}.refill_rows={self.refill_rows} exceeds {where}.rows={self.rows}: a "
+                "refill fills free rows; lower refill_rows or raise rows."
+            )
+        self.draft.validate(f"{where}.draft")
+        self.tree.validate(f"{where}.tree")
+        if self.draft.kind == "eagle3":
+            model.check_taps()

@@ -46,8 +46,10 @@ def test_custom_vjp_inside_shard_map_with_weights_varying_over_fewer_axes():
             return jax.lax.psum(jnp.sum(f(x, w, s) ** 2), ("data", "context", "tensor"))
 
         run = jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts), out_specs=jax.P())
-        placed = (jax.device_put(a, jax.NamedSharding(mesh, spec))
-                  for a, spec in ((x, rows), (w, experts), (sizes, experts)))  # fmt: skip
+        placed = (
+            jax.device_put(a, jax.NamedSharding(mesh, spec))
+            for a, spec in ((x, rows), (w, experts), (sizes, experts))
+        )
         return jax.value_and_grad(run, argnums=(0, 1))(*placed)
 
     got = loss(lambda x, w, s: grouped_matmul(x, w, s, kernels=LAX))

@@ -42,9 +42,16 @@ def test_kl_penalty_is_k3_and_masked():
     mask = jnp.array([[True, False]])
     zero = jnp.zeros((1, 2))
     loss, metrics = grpo.policy_loss(
-        logp, logp, zero, mask, jnp.zeros((1, 2), jnp.int32), num_sequences=1,
-        clip_epsilon=0.2, ref_logprobs=ref, kl_coef=0.5,
-    )  # fmt: skip
+        logp,
+        logp,
+        zero,
+        mask,
+        jnp.zeros((1, 2), jnp.int32),
+        num_sequences=1,
+        clip_epsilon=0.2,
+        ref_logprobs=ref,
+        kl_coef=0.5,
+    )
     d = np.log(0.25) - np.log(0.5)
     np.testing.assert_allclose(metrics["kl"], np.exp(d) - d - 1, rtol=1e-6)
     np.testing.assert_allclose(loss, 0.5 * (np.exp(d) - d - 1), rtol=1e-6)

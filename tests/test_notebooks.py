@@ -14,8 +14,12 @@ NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 def execute(name: str) -> tuple[dict, int]:
     """(the results the notebook's last cell prints, the number of pictures it drew)."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()  # fmt: skip
+    NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     pictures = sum("image/png" in o.get("data", {}) for o in outputs)
     last = notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1]

@@ -35,9 +35,16 @@ from jspec.rl.state import Networks
 from jspec.rl.train import make_loss
 
 MODEL = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=64, max_seq_len=128, remat="none",
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    max_seq_len=128,
+    remat="none",
+)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 16)), jnp.int32)
 
 
@@ -202,9 +209,13 @@ def test_rl_demo_on_a_pipelined_policy_equals_unpipelined(tmp_path, compilation_
     short = ("model.num_layers=4", "rl.steps=2", "rl.sft_steps=4")
     plain = loop(tmp_path / "plain", compilation_cache, *short)
     piped = loop(
-        tmp_path / "piped", compilation_cache, *short, "mesh.stage=2", "pipeline.stages=2",
+        tmp_path / "piped",
+        compilation_cache,
+        *short,
+        "mesh.stage=2",
+        "pipeline.stages=2",
         "pipeline.microbatches=2",
-    )  # fmt: skip
+    )
     for a, b in zip(plain, piped, strict=True):
         for key in COMPARED:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-5, err_msg=key)

@@ -22,11 +22,19 @@ from jspec import config as config_lib
 from jspec.jobs import plan
 
 SMALL = [
-    "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=3", "model.head_dim=16",
-    "model.intermediate_size=256", "model.max_seq_len=2048", "rollout.max_new_tokens=16",
-    "rl.prompts=1", "rl.group_size=2", "rl.sequences_per_row=1", "rl.loss_chunk=512",
+    "model.vocab_size=512",
+    "model.hidden_size=64",
+    "model.num_layers=3",
+    "model.head_dim=16",
+    "model.intermediate_size=256",
+    "model.max_seq_len=2048",
+    "rollout.max_new_tokens=16",
+    "rl.prompts=1",
+    "rl.group_size=2",
+    "rl.sequences_per_row=1",
+    "rl.loss_chunk=512",
     "rl.ttt_steps=1",
-]  # fmt: skip
+]
 MESH = "data=1,stage=1,context=1,tensor=1"
 SEQ = 2048
 
@@ -92,8 +100,12 @@ def test_activation_figure_is_the_measured_peak_of_a_cpu_run():
     env["PYTHONPATH"] = os.pathsep.join([str(here), *sys.path])
     out = subprocess.run(
         [sys.executable, "-c", "import test_plan; test_plan.measure()"],
-        env=env, cwd=here, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        cwd=here,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["temporaries"] > 50e6, got  # big enough to stand out of the noise
@@ -142,9 +154,12 @@ def test_readme_shows_the_report_the_planner_prints(capsys, planner_env):
 
 def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env):
     tiny_moe = [
-        "model.num_layers=2", "model.num_experts=8", "model.num_experts_per_tok=2",
-        "model.moe_intermediate_size=32", "rollout.max_new_tokens=16",
-    ]  # fmt: skip
+        "model.num_layers=2",
+        "model.num_experts=8",
+        "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=32",
+        "rollout.max_new_tokens=16",
+    ]
     plan.main(["--config", "tiny", "--mesh", "data=2", "--seq-len", "128", *tiny_moe])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "CPU estimate (XLA CPU compiler on 2 virtual devices) of tiny"

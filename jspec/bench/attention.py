@@ -171,9 +171,16 @@ def allgather_attention(mesh, kernel):
             anchor = jnp.where(branch.anchor >= 0, branch.anchor + offset, -1)
             branch = branch._replace(anchor=anchor)
         out = attention(
-            q, gather(k), gather(v), gather(seg), gather(pos),
-            q_segment_ids=seg, q_positions=pos, branch=branch, **kernel,
-        )  # fmt: skip
+            q,
+            gather(k),
+            gather(v),
+            gather(seg),
+            gather(pos),
+            q_segment_ids=seg,
+            q_positions=pos,
+            branch=branch,
+            **kernel,
+        )
         return out if branch is not None else (out, None)
 
     def run(q, k, v, seg, pos, branch):

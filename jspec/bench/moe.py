@@ -29,8 +29,10 @@ import sys
 from jspec import mesh as mesh_lib
 from jspec.jobs import cli
 
-CPU_DEFAULTS = ("tiny", ["model.num_experts=8", "model.num_experts_per_tok=2",
-                         "model.moe_intermediate_size=32"])  # fmt: skip
+CPU_DEFAULTS = (
+    "tiny",
+    ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"],
+)
 
 
 def parse_args(argv=None):
@@ -119,8 +121,11 @@ def check_grouped_matmul(a: int = 4096, g: int = 16, k: int = 2048, n: int = 768
     got, want = jax.jit(lambda: grads(MOSAIC))(), jax.jit(lambda: grads(LAX))()
     error = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
     errors = [error(a, b) for a, b in zip(got, want, strict=True)]
-    print("grouped matmul, Mosaic vs lax (y, dx, dw), max error / max:",
-          ", ".join(f"{e:.1e}" for e in errors), flush=True)  # fmt: skip
+    print(
+        "grouped matmul, Mosaic vs lax (y, dx, dw), max error / max:",
+        ", ".join(f"{e:.1e}" for e in errors),
+        flush=True,
+    )
     if max(errors) > 2e-2:
         raise SystemExit("the Mosaic grouped matmul differs from lax.ragged_dot")
 
@@ -162,8 +167,9 @@ def main(argv=None):
 
     def save():  # after every row, so a run cut short keeps what it measured
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {"args": vars(args), "device": devices[0].device_kind, "rows": rows}, f, indent=1
+            )
 
     cases = [("dense", dense, 1)] + [("moe", c, p) for p in args.ep if p <= len(devices)]
     for name, config, p in cases:
@@ -176,8 +182,15 @@ def main(argv=None):
             fn = train_step(forward) if mode == "train" else forward
             ms, _, _, out = time_compiled(fn, (state, x), args.iters)
             tokens = b * t  # per device
-            row = {"layer": name, "devices": p, "mode": mode, "rows_per_device": b, "seq": t,
-                   "ms": ms, "tokens_per_s_per_device": tokens / ms * 1e3}  # fmt: skip
+            row = {
+                "layer": name,
+                "devices": p,
+                "mode": mode,
+                "rows_per_device": b,
+                "seq": t,
+                "ms": ms,
+                "tokens_per_s_per_device": tokens / ms * 1e3,
+            }
             row.update(rates(row, c, args))
             if mode == "decode":
                 if name == "moe" and p == 1:
@@ -227,18 +240,24 @@ def print_table(rows, args, c, dense, device_kind) -> None:
         f"{c.moe_intermediate_size} vs dense width {dense.intermediate_size}; train "
         f"{args.batch}x{args.seq} tokens/device, decode {args.decode_batch} rows/device"
     )
-    print(f"{'layer':>6} {'dev':>4} {'mode':>7} {'ms':>9} {'tokens/s/dev':>13} "
-          f"{'TFLOP/s':>8} {'GB/s':>8} {'of peak':>8}")  # fmt: skip
+    print(
+        f"{'layer':>6} {'dev':>4} {'mode':>7} {'ms':>9} {'tokens/s/dev':>13} "
+        f"{'TFLOP/s':>8} {'GB/s':>8} {'of peak':>8}"
+    )
     for r in rows:
         tf = f"{r['tflops_per_device']:8.1f}" if "tflops_per_device" in r else f"{'':>8}"
         gb = f"{r['weight_bytes_per_s'] / 1e9:8.1f}" if "weight_bytes_per_s" in r else f"{'':>8}"
-        print(f"{r['layer']:>6} {r['devices']:>4} {r['mode']:>7} {r['ms']:9.2f} "
-              f"{r['tokens_per_s_per_device']:13.0f} {tf} {gb} {r['of_peak']:8.1%}")  # fmt: skip
+        print(
+            f"{r['layer']:>6} {r['devices']:>4} {r['mode']:>7} {r['ms']:9.2f} "
+            f"{r['tokens_per_s_per_device']:13.0f} {tf} {gb} {r['of_peak']:8.1%}"
+        )
     by = {(r["layer"], r["devices"], r["mode"]): r for r in rows}
     for mode in ("train", "decode"):
         if ("moe", 1, mode) in by:
-            ratio = (by["moe", 1, mode]["tokens_per_s_per_device"]
-                     / by["dense", 1, mode]["tokens_per_s_per_device"])  # fmt: skip
+            ratio = (
+                by["moe", 1, mode]["tokens_per_s_per_device"]
+                / by["dense", 1, mode]["tokens_per_s_per_device"]
+            )
             print(f"{mode}: MoE / dense tokens/s on one device = {ratio:.2f}")
 
 

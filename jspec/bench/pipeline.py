@@ -144,19 +144,35 @@ def measure(args) -> dict:
         x = jax.device_put(tokens, mesh_lib.sharding(mesh, ("batch", None)))
         off, on = (time_step(policy, x, taps, args.iters) for taps in (False, True))
         schedule = Schedule.of(pipeline, model.num_layers)
-        rows.append({
-            "stages": s, "microbatches": pipeline.microbatches, "repeats": pipeline.repeats,
-            "data": data, "ms_taps_off": off, "ms_taps_on": on,
-            "taps_overhead_pct": 100 * (on / off - 1), "bubble": schedule.bubble,
-            "idle_measured": 1 - t1 / (s * data * off),
-        })  # fmt: skip
+        rows.append(
+            {
+                "stages": s,
+                "microbatches": pipeline.microbatches,
+                "repeats": pipeline.repeats,
+                "data": data,
+                "ms_taps_off": off,
+                "ms_taps_on": on,
+                "taps_overhead_pct": 100 * (on / off - 1),
+                "bubble": schedule.bubble,
+                "idle_measured": 1 - t1 / (s * data * off),
+            }
+        )
         print(rows[-1], flush=True)
     return {"args": vars(args), "device": devices[0].device_kind, "rows": rows}
 
 
 def print_table(result: dict) -> None:
-    cols = ("stages", "microbatches", "repeats", "data", "ms_taps_off", "ms_taps_on",
-            "taps_overhead_pct", "bubble", "idle_measured")  # fmt: skip
+    cols = (
+        "stages",
+        "microbatches",
+        "repeats",
+        "data",
+        "ms_taps_off",
+        "ms_taps_on",
+        "taps_overhead_pct",
+        "bubble",
+        "idle_measured",
+    )
     print(f"\n{result['device']}, batch {result['args']['batch']} x {result['args']['seq']}")
     print(" | ".join(f"{c:>12}" for c in cols))
     for row in result["rows"]:

@@ -53,8 +53,8 @@ def cluster(args, env: Mapping[str, str]) -> dict | None:
             name, job = env["JOBSET_NAME"], env.get("REPLICATED_JOB_NAME", "workers")
             coordinator = f"{name}-{job}-0-0.{name}:{PORT}"
     if coordinator or count or index is not None:
-        missing = [n for n, v in (("coordinator", coordinator), ("num-processes", count),
-                                  ("process-id", index)) if v is None]  # fmt: skip
+        given = {"coordinator": coordinator, "num-processes": count, "process-id": index}
+        missing = [name for name, value in given.items() if value is None]
         if missing:
             raise ConfigError(
                 f"a multi-process launch needs --coordinator, --num-processes and --process-id "

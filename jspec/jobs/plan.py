@@ -85,9 +85,12 @@ class Figures(NamedTuple):
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         return cls(
-            m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-            m.temp_size_in_bytes, float(cost.get("flops", 0.0)),
-        )  # fmt: skip
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+            float(cost.get("flops", 0.0)),
+        )
 
 
 class Plan(NamedTuple):
@@ -166,8 +169,9 @@ def _zeros(tree):
 
 
 def _placed(tree, shardings):
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        tree, shardings)  # fmt: skip
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
+    )
 
 
 def _bytes(tree) -> int:
@@ -193,9 +197,12 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
     row_sharding = NamedSharding(mesh, PartitionSpec(mesh_lib.RULES["batch"]))
     column = lambda dtype: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=row_sharding)
     batch = PackedBatch(
-        *(column(jnp.int32) for _ in range(3)), column(jnp.bool_), column(jnp.float32),
-        column(jnp.float32), column(jnp.int32),
-    )  # fmt: skip
+        *(column(jnp.int32) for _ in range(3)),
+        column(jnp.bool_),
+        column(jnp.float32),
+        column(jnp.float32),
+        column(jnp.int32),
+    )
     step = make_train_step(
         networks, tx, trained, rl, cfg.rollout, num_sequences=rows * rl.sequences_per_row
     )
@@ -218,8 +225,9 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
     return jax.jit(run).lower(params, prompts, lengths, key).compile()
 
 
-def plan(cfg: config_lib.Config, seq_len: int, rows: int | None = None,
-         rollout_batch: int | None = None) -> Plan:  # fmt: skip
+def plan(
+    cfg: config_lib.Config, seq_len: int, rows: int | None = None, rollout_batch: int | None = None
+) -> Plan:
     """Compiles both programs on the first devices of this process, one per mesh position."""
     sizes = dataclasses.asdict(cfg.mesh)
     need = math.prod(sizes.values())
@@ -296,22 +304,24 @@ def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> s
     line = lambda name, value, note="": f"  {name:<38}{_size(value)}  {note}".rstrip()
     flops = lambda f: f"  {'FLOPs per device':<38}{_flop(f)}"
     t, r = p.train, p.rollout
-    return "\n".join([
-        f"{target(p.platform, math.prod(sizes.values()))} of {cfg.name}",
-        f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
-        *moe_assumptions(cfg),
-        "train step (GRPO + draft co-training, one update)",
-        line("parameters (policy + draft)", p.parameters),
-        line("optimizer state", p.optimizer),
-        line("activations and temporaries", t.temporaries, "(saved for backward, grads, work)"),
-        line("peak", t.peak, verdict(t.peak)),
-        flops(t.flops),
-        f"rollout ({cfg.rollout.max_new_tokens:,} new tokens, speculative)",
-        line("parameters", r.arguments),
-        line("KV caches and temporaries", r.temporaries),
-        line("peak", r.peak, verdict(r.peak)),
-        flops(r.flops) + "  (prefill + one verify step)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"{target(p.platform, math.prod(sizes.values()))} of {cfg.name}",
+            f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
+            *moe_assumptions(cfg),
+            "train step (GRPO + draft co-training, one update)",
+            line("parameters (policy + draft)", p.parameters),
+            line("optimizer state", p.optimizer),
+            line("activations and temporaries", t.temporaries, "(saved for backward, grads, work)"),
+            line("peak", t.peak, verdict(t.peak)),
+            flops(t.flops),
+            f"rollout ({cfg.rollout.max_new_tokens:,} new tokens, speculative)",
+            line("parameters", r.arguments),
+            line("KV caches and temporaries", r.temporaries),
+            line("peak", r.peak, verdict(r.peak)),
+            flops(r.flops) + "  (prefill + one verify step)",
+        ]
+    )
 
 
 def main(argv=None) -> Plan:

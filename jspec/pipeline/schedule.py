@@ -116,9 +116,11 @@ def shift(x_S: jax.Array, mesh: Mesh) -> jax.Array:
     ring = [(s, (s + 1) % n) for s in range(n)]
     return jax.shard_map(
         lambda x: jax.lax.ppermute(x, STAGE, ring),
-        mesh=mesh, in_specs=PartitionSpec(STAGE), out_specs=PartitionSpec(STAGE),
+        mesh=mesh,
+        in_specs=PartitionSpec(STAGE),
+        out_specs=PartitionSpec(STAGE),
         axis_names={STAGE},
-    )(x_S)  # fmt: skip
+    )(x_S)
 
 
 def _arrive(io_MX, x, stage, item, schedule: Schedule):

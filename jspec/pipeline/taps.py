@@ -40,8 +40,9 @@ class TapChannel:
         for s, taps in enumerate(by_stage):
             table[s, : len(taps)] = taps
         self.slot_layers = table  # [S, K]: the layer each slot of each stage records (-1: none)
-        self.source = [(schedule.stage_of(t), by_stage[schedule.stage_of(t)].index(t))
-                       for t in tap_layers]  # fmt: skip
+        self.source = [
+            (schedule.stage_of(t), by_stage[schedule.stage_of(t)].index(t)) for t in tap_layers
+        ]
 
     def empty(self, x_MX: jax.Array, mesh: Mesh, act) -> jax.Array:
         """The side buffers of all stages [S, K, M, ...], zero, sharded over the stage axis."""
@@ -72,7 +73,10 @@ class TapChannel:
         """Taps [len(tap_layers), M, ...] in the order asked, gathered from every stage."""
         gathered = jax.shard_map(
             lambda x: jax.lax.all_gather(x, STAGE, tiled=True),
-            mesh=mesh, in_specs=PartitionSpec(STAGE), out_specs=PartitionSpec(),
-            axis_names={STAGE}, check_vma=False,  # all_gather's result is the same on every stage
-        )(side_S)  # fmt: skip
+            mesh=mesh,
+            in_specs=PartitionSpec(STAGE),
+            out_specs=PartitionSpec(),
+            axis_names={STAGE},
+            check_vma=False,  # all_gather's result is the same on every stage
+        )(side_S)
         return jnp.stack([gathered[s, k] for s, k in self.source])

@@ -57,9 +57,11 @@ class _Layout:
         self.mesh, self.natural_seg = mesh, segment_ids
         if self.cp > 1:
             self.ring = sharded_ring(
-                mesh, axis, batch_axis=mesh_lib.RULES["batch"],
+                mesh,
+                axis,
+                batch_axis=mesh_lib.RULES["batch"],
                 head_axis=mesh_lib.RULES["act_heads"],
-            )  # fmt: skip
+            )
         self.seg = self.shard(segment_ids)
 
     def shard(self, x):
@@ -96,11 +98,13 @@ class _Layout:
         j = jnp.arange(i, dtype=jnp.int32)[:, None]
         per_rank = lambda x: jnp.broadcast_to(x, (b, self.cp, *x.shape)).reshape(b, -1)
         return Branch(
-            q, stack(ks), stack(vs),
+            q,
+            stack(ks),
+            stack(vs),
             anchor=per_rank(jnp.broadcast_to(slot, (i, local))),
             parent=per_rank(jnp.where(j == 0, -1, (j - 1) * local + slot)),
             query_nodes=per_rank((i - 1) * local + slot),
-        )  # fmt: skip
+        )
 
 
 def draft_passes(

@@ -47,19 +47,35 @@ def make_loss(
             loss, metrics = grpo.sft_loss(logp, batch.response)
         else:
             loss, metrics = grpo.policy_loss(
-                logp, batch.old_logprobs, batch.advantages, batch.response, batch.sequence,
-                num_sequences=num_sequences, clip_epsilon=rl.clip_epsilon,
-                normalization=rl.normalization, kl_coef=rl.kl_coef,
+                logp,
+                batch.old_logprobs,
+                batch.advantages,
+                batch.response,
+                batch.sequence,
+                num_sequences=num_sequences,
+                clip_epsilon=rl.clip_epsilon,
+                normalization=rl.normalization,
+                kl_coef=rl.kl_coef,
                 ref_logprobs=_reference_logprobs(networks, reference, batch, temperature),
-            )  # fmt: skip
+            )
         metrics["policy_loss"] = loss
         if draft is None:
             return loss, metrics
         d = draft_loss(
-            draft, policy.embed[...], taps, logits, batch.tokens, batch.segment_ids,
-            batch.positions, batch.response, steps=rl.ttt_steps, decay=rl.ttt_decay,
-            temperature=temperature, chunk=rl.loss_chunk, mesh=networks.mesh,
-        )  # fmt: skip
+            draft,
+            policy.embed[...],
+            taps,
+            logits,
+            batch.tokens,
+            batch.segment_ids,
+            batch.positions,
+            batch.response,
+            steps=rl.ttt_steps,
+            decay=rl.ttt_decay,
+            temperature=temperature,
+            chunk=rl.loss_chunk,
+            mesh=networks.mesh,
+        )
         metrics.update(draft_loss=d.loss, agreement=d.agreement)
         if "draft" in trainable:
             loss = loss + rl.draft_loss_weight * d.loss

@@ -102,7 +102,9 @@ def test_pipelined_loss_gradients_and_taps_equal_unpipelined(case):
     want_loss, want_grads, want_taps, _ = run()
     close(loss, want_loss)
     close_trees(grads, want_grads)
-    close(taps, want_taps, rtol=1e-6)  # other programs, other roundings: the values are copies
+    # The taps are copies of hidden states that two programs computed, rounded differently: within
+    # a few float32 ulps of their scale (a wrong layer or stage would be off by order one).
+    close(taps, want_taps, rtol=2e-6)
 
 
 def test_tap_channel_delivers_each_microbatch_from_its_stage_exactly():

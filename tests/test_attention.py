@@ -224,8 +224,9 @@ def test_context_parallel_call_styles(axis_type):
     b, t, n = 2, 16, 6
     seg, pos = packed_rows(rng, b, t, 4)
     anchor, parent = random_tree(rng, b, n, seg)
-    mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(axis_type,) * 2,
-                         devices=jax.devices()[:4])  # fmt: skip
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "context"), axis_types=(axis_type,) * 2, devices=jax.devices()[:4]
+    )
     args = trunk_and_tree_inputs(rng, b, t, n)
     ref = with_tree(reference_attention, seg, pos, anchor, parent)
     want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
@@ -255,14 +256,14 @@ def test_ring_attention_in_a_users_shard_map(axis_type):
     args = trunk_and_tree_inputs(rng, b, t, 0)[:3]
     mesh = jax.make_mesh((cp,), ("context",), axis_types=(axis_type,), devices=jax.devices()[:cp])
     rows = P(None, "context")
-    ring = jax.shard_map(
-        functools.partial(ring_attention, axis_name="context", **BLOCKS),
-        mesh=mesh, in_specs=rows, out_specs=rows,
-    )  # fmt: skip
+    local = functools.partial(ring_attention, axis_name="context", **BLOCKS)
+    ring = jax.shard_map(local, mesh=mesh, in_specs=rows, out_specs=rows)
 
     def fn(q, k, v):
-        placed = (jax.device_put(zigzag_shard(x, seg, cp), NamedSharding(mesh, rows))
-                  for x in (q, k, v, seg, pos))  # fmt: skip
+        placed = (
+            jax.device_put(zigzag_shard(x, seg, cp), NamedSharding(mesh, rows))
+            for x in (q, k, v, seg, pos)
+        )
         return zigzag_unshard(ring(*placed), seg, cp)
 
     want = differentiate("grad", lambda q, k, v: reference_attention(q, k, v, seg, pos), args)
@@ -290,27 +291,25 @@ def test_decode_queries_single_device():
     )
 
 
+# The Pallas trunk in blocks of 16 slots over several splits of the cache per row.
+SMALL_TILING = pallas_decode.Tiling(block_k=16, target_programs=4 * 3 * HKV)
+
+
 @pytest.mark.parametrize(
-    "chunk, impl, heads_major, backend, summed_pairs",
+    "impl, heads_major, options",
     [
-        (4096, "decode", False, "xla", decode.SUMMED_PAIRS),
-        (24, "decode", True, "xla", 0),
-        (4096, "xla", True, "xla", decode.SUMMED_PAIRS),
-        (4096, "decode", True, "pallas_interpret", decode.SUMMED_PAIRS),
+        ("decode", False, decode.DecodeOptions(backend="xla")),
+        ("decode", True, decode.DecodeOptions(backend="xla", chunk=24, summed_pairs=0)),
+        ("xla", True, None),
+        ("decode", True, decode.DecodeOptions(backend="pallas_interpret", tiling=SMALL_TILING)),
     ],
 )
-def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, backend,
-                                       summed_pairs):  # fmt: skip
+def test_decode_impl_matches_reference(impl, heads_major, options):
     """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
     values and gradients; a small chunk exercises the online softmax across cache chunks. A
     heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path. The Pallas
     trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row. The
     tree's part is summed in place, or (`summed_pairs` 0) computed as matrix products."""
-    monkeypatch.setattr(decode, "CHUNK", chunk)
-    monkeypatch.setattr(decode, "BACKEND", backend)
-    monkeypatch.setattr(decode, "SUMMED_PAIRS", summed_pairs)
-    tiling = pallas_decode.Tiling(block_k=16, target_programs=4 * 3 * HKV)
-    monkeypatch.setattr(pallas_decode, "TILING", tiling)
     rng = np.random.default_rng(11)
     b, s, n = 3, 80, 7
     seg, pos = packed_rows(rng, b, s, 4)
@@ -323,8 +322,8 @@ def test_decode_impl_matches_reference(monkeypatch, chunk, impl, heads_major, ba
     make_branch = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)
     branch_qkv = tuple(normal(rng, b, n, h, D) for h in (HQ, HKV, HKV))
     ref = functools.partial(reference_attention, segment_ids=seg, positions=pos, **kw)
-    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, impl=impl,
-                            heads_major=heads_major)  # fmt: skip
+    paths = dict(impl=impl, heads_major=heads_major, decode_options=options)
+    got = functools.partial(attention, segment_ids=seg, positions=pos, **kw, **paths)
     if heads_major:
         got = lambda q, k, v, attend=got, **kw: attend(
             q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), **kw
@@ -410,17 +409,20 @@ def test_misaligned_row_under_jit_is_nan_and_leaves_other_rows_exact():
     args = trunk_and_tree_inputs(rng, b, t, n)
     ref = with_tree(reference_attention, seg, pos, anchor, parent)
     want = jax.jit(functools.partial(differentiate, "grad", ref))(args)
-    run = jax.jit(lambda seg, pos, args: differentiate("value_and_grad", with_tree(
-        context_parallel_attention, seg, pos, anchor, parent, mesh=context_mesh(2)
-    ), args))  # fmt: skip
+
+    @jax.jit
+    def run(seg, pos, args):
+        fn = with_tree(context_parallel_attention, seg, pos, anchor, parent, mesh=context_mesh(2))
+        return differentiate("value_and_grad", fn, args)
+
     got = run(seg, pos, args)
     good = jnp.asarray([0, 2])
     assert_close(jax.tree.map(lambda x: x[good], got), jax.tree.map(lambda x: x[good], want))
     assert all(jnp.all(jnp.isnan(x[1])) for x in got[0])
     assert all(jnp.all(g[1] == 0) for g in got[1])
+    ids = (jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32))
     with pytest.raises(ValueError, match=r"sequence length 18 is not a multiple of 2 \* cp = 4"):
-        run(jnp.ones((b, 18), jnp.int32), jnp.zeros((b, 18), jnp.int32),
-            trunk_and_tree_inputs(rng, b, 18, n))  # fmt: skip
+        run(*ids, trunk_and_tree_inputs(rng, b, 18, n))
 
 
 def mistake(kind):
@@ -610,12 +612,11 @@ def test_check_alignment_accepts_aligned_rows():
 
 
 @pytest.mark.parametrize("dtype, batch, queries", [(jnp.bfloat16, 4, 5), (jnp.float32, 1, 40)])
-def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, queries):
+def test_pallas_decode_kernel_lowers_to_triton(dtype, batch, queries):
     """The kernel GPUs run for impl='decode' (the cache and a tree of `queries` nodes) lowers to
     Triton for CUDA, here on the CPU (export lowers for a platform it does not run on), so a kernel
     Triton cannot take fails in CI. The GPU it lowers for is named by an abstract device (jax 0.11
     asks the device for its kind)."""
-    monkeypatch.setattr(decode, "BACKEND", "pallas")
     hq, hkv, d, s = 32, 8, 128, 576
     sds = jax.ShapeDtypeStruct
     ids = lambda n: sds((batch, n), jnp.int32)
@@ -624,7 +625,8 @@ def test_pallas_decode_kernel_lowers_to_triton(monkeypatch, dtype, batch, querie
     q = sds((batch, queries, hq, d), dtype)
     tree = (ids(queries), kv(queries), kv(queries), ids(queries))  # nodes, keys, values, parents
     args = (q, ids(queries), ids(queries), cache, cache, ids(s), ids(s), *tree)
-    attend = lambda *a: decode.decode_attention(*a, scale=d**-0.5)
+    options = decode.DecodeOptions(backend="pallas")
+    attend = lambda *a: decode.decode_attention(*a, scale=d**-0.5, options=options)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = jax.export.export(jax.jit(attend), platforms=["cuda"], disabled_checks=[triton])
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")

@@ -1,13 +1,14 @@
 """The measuring parts of `jspec/bench/rollout.py`: which prompts each batch runs (a queue of
-distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump,
-and the greedy check of the rollout path (plain and a tree, even with `--no-spec`) against a
-step-by-step loop."""
+distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump
+(`jspec/bench/kernel_profile.py`), and the greedy check of the rollout path (plain and a tree, even
+with `--no-spec`) against a step-by-step loop (`jspec/bench/greedy_check.py`)."""
 
 import argparse
 
 import numpy as np
 import pytest
 
+from jspec.bench import greedy_check, kernel_profile
 from jspec.bench import rollout as bench_rollout
 
 ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
@@ -46,12 +47,12 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
     (tmp_path / "module_0002.jit_run.sm_9.0a_gpu_after_optimizations.txt").write_text("")
     monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_hlo_as_text --xla_dump_to={tmp_path}")
     kernels = ["loop_add_fusion_7", "input_convert_reduce_fusion", "nvjet_sm90_tst_128x8"]
-    assert bench_rollout.hlo_ops(kernels) == {
+    assert kernel_profile.hlo_ops(kernels) == {
         "loop_add_fusion_7": "f32[8,128]{1,0} jit(_trunk_kernel)/add",
         "input_convert_reduce_fusion": "(f32[8,4]{1,0}, bf16[8,576,4]{2,1,0}) reduce_sum",
     }
     monkeypatch.setenv("XLA_FLAGS", "")
-    assert bench_rollout.hlo_ops(kernels) == {}
+    assert kernel_profile.hlo_ops(kernels) == {}
 
 
 # 3 layers (3 taps): quick compiles. One tree, timed or not (`--no-spec`): the trees' greedy
@@ -62,17 +63,18 @@ GREEDY_CHECK_ARGS = "--device cpu --config tiny --prompt-len 12 model.num_layers
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch, capsys):
     args = bench_rollout.parse_args([*GREEDY_CHECK_ARGS.split(), "--trees", "chain 4"])
     models = bench_rollout.random_models(args, dtype="float32")
-    step_by_step, recorded = bench_rollout.step_by_step_greedy, []
+    trees = {name: bench_rollout.TREES[name] for name in args.trees}  # as main passes them
+    step_by_step, recorded = greedy_check.step_by_step_greedy, []
     monkeypatch.setattr(
-        bench_rollout,
+        greedy_check,
         "step_by_step_greedy",
         lambda *a: recorded.append(step_by_step(*a)) or recorded[-1],
     )
-    bench_rollout.check_greedy(*models, args, batch=2, new_tokens=6)
+    greedy_check.check_greedy(*models, trees, args, batch=2, new_tokens=6)
     assert "greedy check: chain 4 equal" in capsys.readouterr().out
 
     changed = recorded[0].copy()
     changed[1, 3] += 1  # the plain loop, compiled above, runs again against one changed token
-    monkeypatch.setattr(bench_rollout, "step_by_step_greedy", lambda *a: changed)
+    monkeypatch.setattr(greedy_check, "step_by_step_greedy", lambda *a: changed)
     with pytest.raises(SystemExit, match="plain differs"):
-        bench_rollout.check_greedy(*models, args, batch=2, new_tokens=6)
+        greedy_check.check_greedy(*models, trees, args, batch=2, new_tokens=6)

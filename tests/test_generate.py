@@ -17,8 +17,14 @@ from jax import monitoring
 
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.decoding as decoding
-from jspec.attention import decode
-from jspec.config import ConfigError, MeshConfig, ModelConfig, RolloutConfig, TreeConfig
+from jspec.config import (
+    ConfigError,
+    KernelConfig,
+    MeshConfig,
+    ModelConfig,
+    RolloutConfig,
+    TreeConfig,
+)
 from jspec.mesh import make_mesh
 from jspec.models import Transformer, create
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft, create_eagle3
@@ -52,6 +58,10 @@ def random_prompts(rows, t, seed, vocab=CONFIG.vocab_size):
 
 def greedy(**kw):
     return RolloutConfig(max_new_tokens=NEW, temperature=0.0, **kw)
+
+
+# The cache part of rollout attention on the Pallas kernel GPUs run, interpreted.
+PALLAS_TRUNK = KernelConfig(decode_backend="pallas_interpret")
 
 
 def most_staggered_eos(tokens):
@@ -111,12 +121,12 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
 
 
-def test_greedy_through_the_pallas_decode_kernel(setup, pallas_trunk):
+def test_greedy_through_the_pallas_decode_kernel(setup):
     """Plain and speculative greedy tokens with the kernel (interpreted) equal plain decoding with
     the cache part of attention in XLA."""
     s = setup
     for draft, tree in ((None, TreeConfig()), (s["drafts"]["eagle3"], TREES["dynamic"])):
-        config = greedy(eos_id=s["eos"], tree=tree)
+        config = greedy(eos_id=s["eos"], tree=tree, kernels=PALLAS_TRUNK)
         got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
         np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
 
@@ -144,10 +154,8 @@ def test_rows_that_finish_take_the_next_prompt(setup, kind, rows, refill):
     than one prompt after another."""
     s = setup
     draft, tree = (None, TreeConfig()) if kind == "plain" else (s["drafts"][kind], TREES["dynamic"])
-    run = lambda **kw: generate(
-        s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1),
-        greedy(eos_id=s["eos"], tree=tree, **kw),
-    )  # fmt: skip
+    inputs = (s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1))
+    run = lambda **kw: generate(*inputs, greedy(eos_id=s["eos"], tree=tree, **kw))
     whole, got = run(), run(rows=rows, refill_rows=refill)
     np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
     np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
@@ -214,16 +222,6 @@ def exact_joint(target, temperature, top_p):
     return (first[:, None, None] * second[:, :, None] * third.reshape(v, v, v)).reshape(-1)
 
 
-@pytest.fixture
-def pallas_trunk(monkeypatch):
-    """The cache part of rollout attention on the Pallas kernel GPUs run, interpreted; `generate`'s
-    compiled programs are dropped on the way in and out, as they baked the backend in."""
-    monkeypatch.setattr(decode, "BACKEND", "pallas_interpret")
-    decoding._generate.clear_cache()
-    yield
-    decoding._generate.clear_cache()
-
-
 def sample_codes(small, case, seed=0, trials=TRIALS):
     target, draft = small
     config = RolloutConfig(max_new_tokens=3, **case)
@@ -239,10 +237,11 @@ def test_speculative_sampling_is_lossless(small, case):
     check_lossless(small, LOSSLESS[case], TRIALS)
 
 
-def test_lossless_through_the_pallas_decode_kernel(small, pallas_trunk):
+def test_lossless_through_the_pallas_decode_kernel(small):
     """The same through the kernel GPUs run for the cache part of attention, interpreted (slow:
     fewer trials, the same threshold)."""
-    check_lossless(small, LOSSLESS["point-mass dynamic tree"], TRIALS // 20)
+    case = dict(LOSSLESS["point-mass dynamic tree"], kernels=PALLAS_TRUNK)
+    check_lossless(small, case, TRIALS // 20)
 
 
 def check_lossless(small, case, trials):

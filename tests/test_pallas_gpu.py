@@ -107,14 +107,7 @@ def test_cross_attention_keys_out_of_order():
         assert rel_err(g, w) < TOL
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """The library calls the kernel with its default tiles: make them small here."""
-    monkeypatch.setattr(pallas_gpu, "TILES", TILES)
-    monkeypatch.setattr(pallas_gpu, "TILES_F32", TILES)
-
-
-def test_attention_grads_match_reference(case, small_tiles):
+def test_attention_grads_match_reference(case):
     rng, q, k, v, seg, pos = case
     ct = normal(rng, q.shape)
 
@@ -122,7 +115,7 @@ def test_attention_grads_match_reference(case, small_tiles):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct)
 
     def ours(q, k, v):
-        return attention(q, k, v, seg, pos, impl="pallas_interpret")
+        return attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=TILES)
 
     def ref(q, k, v):
         return reference_attention(q, k, v, seg, pos)
@@ -134,10 +127,10 @@ def test_attention_grads_match_reference(case, small_tiles):
         assert rel_err(g, w) < TOL
 
 
-def test_bfloat16_forward(case, small_tiles):
+def test_bfloat16_forward(case):
     _, q, k, v, seg, pos = case
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    o = attention(q, k, v, seg, pos, impl="pallas_interpret")
+    o = attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=TILES)
     assert o.dtype == jnp.bfloat16
     want = reference_attention(q, k, v, seg, pos)
     assert rel_err(o.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
@@ -174,7 +167,7 @@ def test_available_and_supports():
     assert not pallas_gpu.supports(96) and not pallas_gpu.supports(8)
 
 
-def test_ring_with_branch_on_the_kernel(small_tiles):
+def test_ring_with_branch_on_the_kernel():
     """The kernel inside the ring (shard_map over 2 ranks) with a draft tree: outputs and grads."""
     rng = np.random.default_rng(5)
     t, n = 64, 6
@@ -195,9 +188,8 @@ def test_ring_with_branch_on_the_kernel(small_tiles):
 
         return jax.grad(f, argnums=(0, 1, 2, 3))
 
-    ours = loss(
-        lambda *a, **kw: context_parallel_attention(*a, mesh=mesh, impl="pallas_interpret", **kw)
-    )
+    kernel = dict(impl="pallas_interpret", tiles=TILES)
+    ours = loss(lambda *a, **kw: context_parallel_attention(*a, mesh=mesh, **kernel, **kw))
     got = ours(q, k, v, bqkv)
     want = loss(reference_attention)(q, k, v, bqkv)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

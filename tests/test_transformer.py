@@ -13,8 +13,7 @@ import pytest
 from flax import nnx
 from helpers import close
 
-from jspec.attention import decode
-from jspec.config import ConfigError, MeshConfig, ModelConfig
+from jspec.config import ConfigError, KernelConfig, MeshConfig, ModelConfig
 from jspec.mesh import logical_spec, make_mesh, sharding
 from jspec.models import KVCache, Transformer, create, param_shardings
 
@@ -199,11 +198,11 @@ def test_taps_are_layer_inputs(model, fns):
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
-def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
+def test_rollout_on_a_mesh_matches_one_device(model, fns, backend):
     """Rows split over data x context (extra data parallelism in rollout), heads over tensor; the
     cache part of attention in XLA, or in the Pallas kernel (interpreted) inside `shard_map`; the
     weights as the rollout loop has them (`for_rollout`: per layer, products fused)."""
-    monkeypatch.setattr(decode, "BACKEND", backend)
+    kernels = KernelConfig(decode_backend=backend)
     state, forward, *_ = fns
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     graphdef = graphdef_for(model.config, mesh)
@@ -216,8 +215,10 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns, monkeypatch, backend):
     lengths = np.array([8, 5, 3, 6], np.int32)
     prompt = np.where(np.arange(8) < lengths[:, None], seqs[:, :8], 0)
     nxt = seqs[np.arange(4), lengths]
-    _, cache = jax.jit(lambda s, *a: m(s).prefill(*a))(sharded, prompt, cache, lengths)
-    got, cache = jax.jit(lambda s, *a: m(s).decode(*a))(sharded, nxt, cache)
+    _, cache = jax.jit(lambda s, *a: m(s).prefill(*a, kernels=kernels))(
+        sharded, prompt, cache, lengths
+    )
+    got, cache = jax.jit(lambda s, *a: m(s).decode(*a, kernels=kernels))(sharded, nxt, cache)
     assert all(k.sharding.is_equivalent_to(sharding(mesh, names), 4) for k in cache.k)
     for b in range(4):
         close(got[b], forward(seqs[b, : lengths[b] + 1])[0][-1])

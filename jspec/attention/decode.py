@@ -18,6 +18,7 @@ matrix product wants its batch dimensions outermost, so a [B, S, Hkv, D] cache w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,12 +29,32 @@ from jspec.attention import masks, pallas_decode, pallas_gpu
 from jspec.attention.blocks import _finish, round_up
 
 CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds the score buffer
-# What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
-# "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
-BACKEND = "auto"
 # (query row, tree node) pairs per row up to which the tree's part is summed in place (`_branch`):
 # verifying up to 11 nodes, the root and a tree of 10 (a chain of 6 with 4 siblings, a dynamic 8)
 SUMMED_PAIRS = 128
+# What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
+# "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
+BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How `decode_attention` computes (static, hashable): what folds the cache in (`backend`, of
+    `BACKENDS`), the XLA path's cache slots per step (`chunk`) and (query row, tree node) pairs per
+    row up to which it sums the tree's part in place (`summed_pairs`), and how the Pallas kernel
+    cuts its work (`tiling`). The defaults are what rollouts run; tests and benchmarks pass others.
+    """
+
+    backend: str = "auto"
+    chunk: int = CHUNK
+    summed_pairs: int = SUMMED_PAIRS
+    tiling: pallas_decode.Tiling = pallas_decode.TILING
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"DecodeOptions backend={self.backend!r} is not one of {', '.join(BACKENDS)}."
+            )
 
 
 def _continue(state, s, scale, weigh):
@@ -62,10 +83,13 @@ def decode_attention(
     parent: Int[Array, "b n"] | None,
     *,
     scale: float,
+    options: DecodeOptions | None = None,
 ) -> Float[Array, "b r hq d"]:
     """Output (float32) of R query rows: trunk rule by (q_segment_ids, q_positions), and for rows
     whose `nodes` entry is a branch node (>= 0), that node and its ancestors among the branch keys.
+    `options` None: `DecodeOptions()`.
     """
+    options = options or DecodeOptions()
     b, r, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, r, hkv, hq // hkv, d)
@@ -76,37 +100,57 @@ def decode_attention(
         seen = seen & (nodes >= 0)[:, :, None]
         branch = (*(jnp.moveaxis(x, 1, 2) for x in (branch_k, branch_v)), seen)
     args = (qg, q_segment_ids, q_positions, k, v, segment_ids, positions, branch)
-    backend = attention_backend(d)
+    xla = functools.partial(
+        xla_state, scale=scale, chunk=options.chunk, summed_pairs=options.summed_pairs
+    )
+    backend = attention_backend(options.backend, d)
     if backend == "xla":
-        state = xla_state(*args, scale=scale)
+        state = xla(*args)
     else:
         state = pallas_decode.attention_state(
-            *args, functools.partial(xla_state, scale=scale),
-            scale=scale, interpret=backend == "pallas_interpret",
-        )  # fmt: skip
+            *args,
+            xla,
+            scale=scale,
+            interpret=backend == "pallas_interpret",
+            tiling=options.tiling,
+        )
     out, _ = _finish(*state)
     return out.reshape(b, r, hq, d)
 
 
-def xla_state(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, branch=None, *, scale):
+def xla_state(
+    qg,
+    q_segment_ids,
+    q_positions,
+    k,
+    v,
+    segment_ids,
+    positions,
+    branch=None,
+    *,
+    scale,
+    chunk: int = CHUNK,
+    summed_pairs: int = SUMMED_PAIRS,
+):
     """The online-softmax state (m, l, acc) [B,R,K,G(,D)] of queries qg [B,R,K,G,D] after every
     cache slot and (`branch`: keys and values [B,K,N,D], which of them each query sees [B,R,N])
-    every tree node they see, in XLA."""
-    state = xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, scale=scale)
+    every tree node they see, in XLA (`chunk`, `summed_pairs`: as `DecodeOptions`)."""
+    trunk = (qg, q_segment_ids, q_positions, k, v, segment_ids, positions)
+    state = xla_trunk(*trunk, scale=scale, chunk=chunk)
     state = tuple(jnp.moveaxis(x, 3, 1) for x in state)  # the queries' layout
-    return state if branch is None else _branch(state, qg, *branch, scale)
+    return state if branch is None else _branch(state, qg, *branch, scale, summed_pairs)
 
 
-def _branch(state, qg, k_BKND, v_BKND, seen, scale):
+def _branch(state, qg, k_BKND, v_BKND, seen, scale, summed_pairs: int):
     """Online softmax: fold the branch keys in (the tree's nodes, a few per row) for the queries
-    `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Up to `SUMMED_PAIRS`
+    `qg` [B,R,K,G,D] that see them (`seen` [B,R,N]), in the queries' layout. Up to `summed_pairs`
     (query, node) pairs a row, scores and values are products summed by XLA reductions, not
     matrix products: a matrix product batched over (row, KV head) wants those axes outermost, and
     moving the query rows behind them copies the queries, the branch keys and values and the output
     of every layer (a kernel each, as costly as the work at a few nodes). Beyond, the work outgrows
     the copies, and the tensor cores take it."""
     f32 = lambda x: x.astype(jnp.float32)
-    summed = qg.shape[1] * k_BKND.shape[2] <= SUMMED_PAIRS
+    summed = qg.shape[1] * k_BKND.shape[2] <= summed_pairs
     if summed:
         s = jnp.sum(f32(qg)[:, :, :, :, None] * f32(k_BKND)[:, None, :, None], axis=-1)
     else:
@@ -122,23 +166,23 @@ def _branch(state, qg, k_BKND, v_BKND, seen, scale):
 
 
 def cache_slots(tokens: int, limit: int | None = None) -> int:
-    """Slots for a cache of `tokens`: whole blocks of the Pallas trunk (which otherwise pads, a copy
-    of the cache per call), but at most `limit` (when given)."""
+    """Slots for a cache of `tokens`: whole blocks of the Pallas trunk's default tiling (which
+    otherwise pads, a copy of the cache per call), but at most `limit` (when given)."""
     whole = round_up(tokens, pallas_decode.TILING.block_k)
     return max(tokens, whole if limit is None else min(limit, whole))
 
 
-def attention_backend(head_dim: int) -> str:
-    """What folds the cache and the tree's keys in: `BACKEND`, with "auto" the Pallas kernel on an
+def attention_backend(backend: str, head_dim: int) -> str:
+    """What folds the cache and the tree's keys in: `backend`, with "auto" the Pallas kernel on an
     NVIDIA GPU that can run it and XLA elsewhere."""
-    if BACKEND != "auto":
-        return BACKEND
+    if backend != "auto":
+        return backend
     return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"
 
 
-def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, scale):
+def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, scale, chunk: int):
     """The online-softmax state (m, l, acc) [B,K,G,R(,D)] of queries qg [B,R,K,G,D] after every
-    cache slot they see, chunk by chunk in XLA."""
+    cache slot they see, `chunk` slots at a time in XLA."""
     b, r, hkv, g, d = qg.shape
     shape = (b, hkv, g, r)
     state = (
@@ -150,22 +194,25 @@ def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, s
     def trunk_chunk(state, start, size):
         sl = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
         seen = masks.visible(
-            q_segment_ids[:, :, None], q_positions[:, :, None],
-            sl(segment_ids)[:, None], sl(positions)[:, None],
-        )  # fmt: skip
+            q_segment_ids[:, :, None],
+            q_positions[:, :, None],
+            sl(segment_ids)[:, None],
+            sl(positions)[:, None],
+        )
         s = jnp.einsum("brkgd,bkcd->bkgrc", qg, sl(k, 2), preferred_element_type=jnp.float32)
         s = jnp.where(seen[:, None, None], s, -jnp.inf)
         # p in the values' dtype (as flash attention does): a float32 copy of the cache costs more
-        weigh = lambda p: jnp.einsum("bkgrc,bkcd->bkgrd", p.astype(v.dtype), sl(v, 2),
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+        weigh = lambda p: jnp.einsum(
+            "bkgrc,bkcd->bkgrd", p.astype(v.dtype), sl(v, 2), preferred_element_type=jnp.float32
+        )
         return _continue(state, s, scale, weigh)
 
-    full, rest = divmod(k.shape[2], CHUNK)
+    full, rest = divmod(k.shape[2], chunk)
     if full > 1:
-        body = lambda state, i: (trunk_chunk(state, i * CHUNK, CHUNK), None)
+        body = lambda state, i: (trunk_chunk(state, i * chunk, chunk), None)
         state, _ = jax.lax.scan(body, state, jnp.arange(full))
     elif full == 1:
-        state = trunk_chunk(state, 0, CHUNK)
+        state = trunk_chunk(state, 0, chunk)
     if rest:
-        state = trunk_chunk(state, full * CHUNK, rest)
+        state = trunk_chunk(state, full * chunk, rest)
     return state

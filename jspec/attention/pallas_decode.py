@@ -48,9 +48,10 @@ _LOG2E = math.log2(math.e)
 State = tuple[Float[Array, "b r k g"], Float[Array, "b r k g"], Float[Array, "b r k g d"]]
 
 
-def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, k_ref, v_ref, kseg_ref, kpos_ref, *refs, scale,
-            block_k, n_split):  # fmt: skip
-    *branch_refs, m_ref, l_ref, acc_ref = refs  # the branch's keys, values and [tile, N] mask
+def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, block_k, n_split):
+    # The cache's keys, values, ids and positions; the branch's keys, values and [tile, N] mask
+    # (if given); the outputs.
+    k_ref, v_ref, kseg_ref, kpos_ref, *branch_refs, m_ref, l_ref, acc_ref = refs
     q = q_ref[...]
     qt, d = q.shape
     qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
@@ -200,11 +201,13 @@ def attention_state(
     *,
     scale: float,
     interpret: bool = False,
+    tiling: Tiling = TILING,
 ) -> State:
     """The state (m, l, acc) [B,R,K,G(,D)] of the queries qg after every cache slot and branch key
-    they see, by the kernel; gradients by `xla_state` (same arguments, same result, plain XLA)."""
+    they see, by the kernel cut as `tiling` says; gradients by `xla_state` (same arguments, same
+    result, plain XLA)."""
 
-    kernel = functools.partial(kernel_state, scale=scale, interpret=interpret, tiling=TILING)
+    kernel = functools.partial(kernel_state, scale=scale, interpret=interpret, tiling=tiling)
 
     @jax.custom_vjp
     def attend(*args):

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import checks, explicit, zigzag
+from jspec.attention import checks, explicit, pallas_gpu, zigzag
 from jspec.attention.branch import Branch
 from jspec.attention.ring import IMPLS, ring_attention
 
@@ -105,13 +105,14 @@ def context_parallel_attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    tiles: pallas_gpu.Tiles | None = None,
 ):
     """Self-attention (plus branch) of natural-order rows, context-parallel over `mesh[axis]`.
 
     Every index (anchor, parent, query_nodes) is a natural-order index of the row; every document
     must be padded to a multiple of 2 * cp: a clear error for concrete ids; under `jit` the
     outputs of a row holding a misaligned document are NaN, and the other rows are exact. Same
-    results as `attention`, wherever inputs live.
+    results as `attention`, wherever inputs live (`tiles`: the Pallas kernel's, as there).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -125,7 +126,7 @@ def context_parallel_attention(
     checks.check_inputs(q, k, v, segment_ids, positions, None, None, branch, impl, IMPLS)
     zigzag.check_alignment(segment_ids, cp)
     mesh = explicit.auto_mesh(mesh)
-    ring = sharded_ring(mesh, axis, scale, impl, block_q, block_k)
+    ring = sharded_ring(mesh, axis, scale, impl, block_q, block_k, tiles=tiles)
 
     def run(q, k, v, segment_ids, positions, branch):
         placed = query_slot = None
@@ -148,6 +149,7 @@ def sharded_ring(
     block_k=None,
     batch_axis: str | None = None,
     head_axis: str | None = None,
+    tiles: pallas_gpu.Tiles | None = None,
 ):
     """`ring_attention` under `shard_map` over `axis`: f(q, k, v, seg, pos, branch) -> (out, b_out).
 
@@ -161,20 +163,20 @@ def sharded_ring(
     def spec(x):  # [B, T, H, D] arrays split their heads too; [B, T] ones do not
         return heads if x.ndim == 4 else rows
 
+    kernel = dict(scale=scale, impl=impl, block_q=block_q, block_k=block_k, tiles=tiles)
+
     def local(q, k, v, seg, pos, branch):
-        out = ring_attention(
-            q, k, v, seg, pos, axis_name=axis, branch=branch, scale=scale, impl=impl,
-            block_q=block_q, block_k=block_k,
-        )  # fmt: skip
+        out = ring_attention(q, k, v, seg, pos, axis_name=axis, branch=branch, **kernel)
         return out if branch is not None else (out, None)
 
     def ring(q, k, v, seg, pos, branch):
         args = (q, k, v, seg, pos, branch)
         out_specs = (None if q is None else heads, None if branch is None else heads)
-        return jax.shard_map(
-            local, mesh=mesh, in_specs=jax.tree.map(spec, args), out_specs=out_specs,
-            check_vma=False,
-        )(*args)  # fmt: skip
+        in_specs = jax.tree.map(spec, args)
+        sharded = jax.shard_map(
+            local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        return sharded(*args)
 
     return ring
 

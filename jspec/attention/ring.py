@@ -40,17 +40,15 @@ class _Static(NamedTuple):
     block_q: int
     block_k: int
     branch_rows: tuple[int, int]  # [start, stop) of the branch queries in the query array
+    tiles: pallas_gpu.Tiles | None  # the Pallas kernel's (None: `pallas_gpu.default_tiles`)
 
 
 def _kernel(st: _Static):
     """The block forward and backward of the chosen kernel (same signatures)."""
     if st.kernel == "xla":
         return blocks.fwd, blocks.bwd
-    interpret = st.kernel == "pallas_interpret"
-    return (
-        functools.partial(pallas_gpu.fwd, interpret=interpret),
-        functools.partial(pallas_gpu.bwd, interpret=interpret),
-    )
+    kw = dict(interpret=st.kernel == "pallas_interpret", tiles=st.tiles)
+    return functools.partial(pallas_gpu.fwd, **kw), functools.partial(pallas_gpu.bwd, **kw)
 
 
 def _resolve(impl: str, head_dim: int) -> str:
@@ -157,10 +155,10 @@ def _ring_bwd(st, res, do):
     dbk = dbv = None
     if bk is not None:
         rows = slice(*st.branch_rows)
+        q_b, lse_b, do_b, delta_b = (x[:, rows] for x in (q, lse, do, delta))
         dqb, dbk, dbv = blocks.branch_bwd(
-            q[:, rows], bk, bv, b_nodes, b_parent, lse[:, rows], do[:, rows], delta[:, rows],
-            scale=st.scale,
-        )  # fmt: skip
+            q_b, bk, bv, b_nodes, b_parent, lse_b, do_b, delta_b, scale=st.scale
+        )
         dq = _with_rows(dq, rows, dqb)
         dbk, dbv = dbk.astype(bk.dtype), dbv.astype(bv.dtype)
 
@@ -213,6 +211,8 @@ def _attend(
     impl,
     block_q,
     block_k,
+    tiles=None,
+    decode_options=None,
     heads_major=False,
 ):
     if heads_major:  # [B,Hkv,Tk,D]: checked as the [B,Tk,Hkv,D] it stands for
@@ -249,9 +249,9 @@ def _attend(
             nodes = jnp.concatenate([trunk_rows, b_nodes], axis=1)
         if not heads_major:
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        out = decode.decode_attention(
-            q_all, q_seg, q_pos, k, v, segment_ids, positions, nodes, bk, bv, parent, scale=scale
-        ).astype(q_all.dtype)
+        args = (q_all, q_seg, q_pos, k, v, segment_ids, positions, nodes, bk, bv, parent)
+        out = decode.decode_attention(*args, scale=scale, options=decode_options)
+        out = out.astype(q_all.dtype)
         return _split_rows(out, q, branch, n_trunk, n_rows)
     if heads_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -269,7 +269,7 @@ def _attend(
     )
     k_all, v_all, k_seg, k_pos = (blocks.pad_rows(x, keys) for x in (k, v, segment_ids, positions))
 
-    st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows))
+    st = _Static(kernel, axis_name, scale, block_q, block_k, (n_trunk, n_rows), tiles)
     args = (q_all, q_seg, q_pos, k_all, v_all, k_seg, k_pos, bk, bv, b_nodes, parent)
     out = _ring(st, *(_varying(x, axis_name) for x in args))
     return _split_rows(out, q, branch, n_trunk, n_rows)
@@ -297,15 +297,19 @@ def attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    tiles: pallas_gpu.Tiles | None = None,
+    decode_options: decode.DecodeOptions | None = None,
     heads_major: bool = False,
 ):
     """Masked attention on one device, blockwise (no score tile beyond a block), differentiable.
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
-    branch. `block_q`, `block_k` set the tile (default 512 x 512, clipped to the lengths).
-    Visibility is the contract's (docs/attention.md); `reference.py` is its dense statement.
-    `heads_major`: k and v are [B,Hkv,Tk,D], a KV cache's layout, which `impl="decode"` reads as
-    it is (the other paths transpose it).
+    branch. `block_q`, `block_k` set the tile of the XLA blocks (default 512 x 512, clipped to the
+    lengths), `tiles` those of the Pallas kernel (None: `pallas_gpu.default_tiles` of the dtype),
+    `decode_options` how `impl="decode"` runs (None: `decode.DecodeOptions()`). Visibility is the
+    contract's (docs/attention.md); `reference.py` is its dense statement. `heads_major`: k and v
+    are [B,Hkv,Tk,D], a KV cache's layout, which `impl="decode"` reads as it is (the other paths
+    transpose it).
     """
     return _attend(
         q,
@@ -321,6 +325,8 @@ def attention(
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        tiles=tiles,
+        decode_options=decode_options,
         heads_major=heads_major,
     )
 
@@ -340,6 +346,7 @@ def ring_attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    tiles: pallas_gpu.Tiles | None = None,
 ):
     """`attention` inside `shard_map`, the trunk K/V spread over the ring axis `axis_name`.
 
@@ -360,4 +367,5 @@ def ring_attention(
         impl=impl,
         block_q=block_q,
         block_k=block_k,
+        tiles=tiles,
     )

@@ -332,11 +332,12 @@ def sweep_tiles(run, x):
 
 def compare(run, x, tiles):
     """The rows of the table: cuDNN and the kernel on the causal row, the kernel on packed
-    documents, and (unless --no-xla) the XLA block path on the same documents."""
+    documents (the library's calls with `tiles`), and (unless --no-xla) the XLA block path on the
+    same documents."""
     xs = (x.q, x.k, x.v)
 
     def lib(impl, seg, pos):
-        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl)
+        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl, tiles=tiles)
 
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -415,7 +416,6 @@ def main(argv=None):
     check_correctness(run, rng)
     x = timing_inputs(args, rng)
     tiles = pallas_gpu.TILES if args.no_sweep else sweep_tiles(run, x)
-    pallas_gpu.TILES = tiles  # the library's calls below take the swept tiles
     rows = compare(run, x, tiles)
     print_table(run, x, rows)
     report["summary"] = summary = summarize(rows)

@@ -69,7 +69,8 @@ def layer_fn(config, mesh):
     from flax import nnx
 
     from jspec.attention import attention
-    from jspec.models.transformer import TRAIN_ACT, Block, param_shardings, rope_angles
+    from jspec.models.layers import rope_angles
+    from jspec.models.transformer import TRAIN_ACT, Block, param_shardings
 
     block = Block(config, 1, rngs=nnx.Rngs(0), sparse=bool(config.num_experts), mesh=mesh)
     graphdef, state = nnx.split(block)

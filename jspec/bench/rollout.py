@@ -31,16 +31,11 @@ is named by its output shape and JAX op.
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
-import gzip
 import json
-import os
 import pathlib
-import re
 import sys
 import time
 from typing import NamedTuple
@@ -51,12 +46,13 @@ import numpy as np
 from flax import nnx
 
 from jspec import config as config_lib
-from jspec.attention import decode as decode_attention
 from jspec.attention.decode import cache_slots
-from jspec.bench.timing import best_time, loop_seconds
-from jspec.config import RolloutConfig, TreeConfig
+from jspec.bench.greedy_check import check_greedy
+from jspec.bench.kernel_profile import loop_kernels
+from jspec.bench.timing import best_time, log, loop_seconds
+from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
-from jspec.models import create, hf, hf_eagle3, transformer
+from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.sampler import compile_generate, decoding, generate
 from jspec.sampler.tree_choice import StepCosts, choose_tree
@@ -172,32 +168,8 @@ def timed_trees(args) -> dict[str, TreeConfig]:
 # (a share of a second at batch 256) stays small beside it.
 LOOP_LENGTHS = dict(short=2, long=34)
 
-# Other rollout attention the plain step can be timed with (`--compare`): `attention_setting` args.
-COMPARED = {"blocks": dict(few_queries=0), "xla": dict(backend="xla")}
-
-
-@contextlib.contextmanager
-def attention_setting(few_queries: int | None = None, backend: str | None = None):
-    """Rollout attention takes `impl="decode"` up to `few_queries` queries per row (0: the block
-    kernels), its cache part on `backend` (`jspec.attention.decode.BACKEND`); None keeps a setting.
-    `generate`'s compiled programs are dropped on the way in and out, as they baked both in."""
-    saved = transformer.FEW_QUERIES, decode_attention.BACKEND
-    transformer.FEW_QUERIES = saved[0] if few_queries is None else few_queries
-    decode_attention.BACKEND = saved[1] if backend is None else backend
-    decoding._generate.clear_cache()
-    try:
-        yield
-    finally:
-        transformer.FEW_QUERIES, decode_attention.BACKEND = saved
-        decoding._generate.clear_cache()
-
-
-START = time.perf_counter()
-
-
-def log(what: str) -> None:
-    """A line of progress with the seconds since the start (compiles dominate a run's time)."""
-    print(f"[{time.perf_counter() - START:6.0f} s] {what}", flush=True)
+# Other rollout attention the plain step can be timed with (`--compare`).
+COMPARED = {"blocks": KernelConfig(few_queries=0), "xla": KernelConfig(decode_backend="xla")}
 
 
 class LoopRate(NamedTuple):
@@ -209,17 +181,23 @@ class LoopRate(NamedTuple):
     busy: float  # share of row-steps that emit (rows idle once the queue is empty)
 
 
-def rollout_config(tree: TreeConfig, m: int, rows: int, args) -> RolloutConfig:
-    return RolloutConfig(max_new_tokens=m, temperature=args.temperature, tree=tree, rows=rows)
+def rollout_config(
+    tree: TreeConfig, m: int, rows: int, args, kernels: KernelConfig | None = None
+) -> RolloutConfig:
+    """The rollout of a timed loop; `kernels` None: the default `KernelConfig()`."""
+    kernels = kernels or KernelConfig()
+    return RolloutConfig(
+        max_new_tokens=m, temperature=args.temperature, tree=tree, rows=rows, kernels=kernels
+    )
 
 
-def loop_rate(model, draft, tree, prompts, rows: int, args) -> LoopRate:
+def loop_rate(model, draft, tree, prompts, rows: int, args, kernels=None) -> LoopRate:
     """`LoopRate` of `generate` (draft, verify, bookkeeping, refills; plain decoding when `draft`
-    is None) over `prompts`, `rows` at a time. A run of `--new-tokens` and one of one token
-    prefill the same prompts in the same refills, so their time difference over their difference
-    in loop steps is the time of a step."""
+    is None) over `prompts`, `rows` at a time, on `kernels` (`rollout_config`). A run of
+    `--new-tokens` and one of one token prefill the same prompts in the same refills, so their
+    time difference over their difference in loop steps is the time of a step."""
     lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    config = lambda m: rollout_config(tree, m, rows, args)
+    config = lambda m: rollout_config(tree, m, rows, args, kernels)
     stats = {}  # of each length's runs (all alike: same prompts, same key)
 
     def run(m):
@@ -259,8 +237,7 @@ def warm_up(model, draft, prompts, rows: int, loops: list, args) -> None:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
         list(pool.map(lambda job: job(), jobs))
-    log(f"batch {rows}: {len(jobs)} programs compiled in "
-        f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    log(f"batch {rows}: {len(jobs)} programs compiled in {time.perf_counter() - start:.0f} s")
 
 
 def tree_nodes(tree: TreeConfig) -> int:
@@ -290,10 +267,12 @@ def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dic
             ),
         )
         x = out[name]
-        log(f"batch {rows}: {name}: step {x['step_in_decode_steps']:.2f} plain steps (draft "
+        log(
+            f"batch {rows}: {name}: step {x['step_in_decode_steps']:.2f} plain steps (draft "
             f"{x['draft_in_decode_steps']:.2f}), accepted {x['accepted_length']:.2f}, busy "
             f"{x['busy']:.2f}, speedup {x['speedup']:.2f}x (predicted "
-            f"{x['predicted_speedup']:.2f}x)")  # fmt: skip
+            f"{x['predicted_speedup']:.2f}x)"
+        )
     return out
 
 
@@ -354,8 +333,8 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
         cache = target.init_cache(b, slots)
         out = target.prefill(prompts, cache, lengths, taps=draft.uses_taps)
         features = out[2] if draft.uses_taps else None
-        root = draft.prefill(embed, prompts, lengths, jnp.argmax(out[0], -1), features,
-                             draft.init_cache(b, slots))  # fmt: skip
+        root_token, draft_cache = jnp.argmax(out[0], -1), draft.init_cache(b, slots)
+        root = draft.prefill(embed, prompts, lengths, root_token, features, draft_cache)
 
         def body(i, acc):
             moved = root._replace(logits=root.logits + 0.0 * acc[:, None])
@@ -367,76 +346,11 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     return functools.partial(run, model, draft)
 
 
-def gpu_kernels(run, log_dir: str) -> tuple[collections.Counter, collections.Counter]:
-    """(ms, launches) per GPU kernel of one call of `run()` (compiled first), from the perfetto
-    trace `jax.profiler.trace` writes under `log_dir`."""
-    jax.block_until_ready(run())
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        jax.block_until_ready(run())
-    path = max(pathlib.Path(log_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
-    total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            total[e["name"]] += e["dur"] / 1e3
-            count[e["name"]] += 1
-    return total, count
-
-
-def loop_kernels(run, log_dir: str, lengths: tuple[int, int], steps: int, top: int = 25) -> list:
-    """(kernel, ms per step, launches per step, its HLO) of the `top` heaviest GPU kernels of one
-    body of a loop: the kernels of `run(long)` less those of `run(short)` (`lengths`), over the
-    `steps` between them, so that what a call runs once (a prefill) drops out. The HLO
-    (`hlo_ops`) is empty unless XLA dumps the optimized programs."""
-    (long_ms, long_n), (short_ms, short_n) = (
-        gpu_kernels(lambda n=n: run(n), f"{log_dir}-{n}") for n in lengths
-    )
-    total, count = long_ms - short_ms, long_n - short_n  # (keeps the positive differences)
-    if fewer := sorted(k for k in short_n if short_n[k] > long_n[k]):
-        # Two `generate` lengths are two programs: XLA may name their fusions differently.
-        print(f"{log_dir}: {len(fewer)} kernels ran more often in the shorter run: {fewer[:5]}")
-    heaviest = [name for name, _ in total.most_common(top)]
-    ops = hlo_ops(heaviest)
-    rows = [(k, total[k] / steps, count[k] / steps, ops.get(k, "")) for k in heaviest]
-    print(f"{log_dir}: GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
-          f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
-    for name, ms, n, op in rows:
-        print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:60]:60s} {op[:120]}")
-    return rows
-
-
-def hlo_ops(kernels: list[str]) -> dict[str, str]:
-    """Output shape and JAX op of each kernel that is an XLA fusion (kernel `loop_add_fusion_7` is
-    HLO `loop_add_fusion.7`), from the optimized programs XLA dumps when run with
-    `XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=..."`: the program defining the most of
-    `kernels` (fusion names repeat across programs). Empty without a dump."""
-    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    best: dict[str, str] = {}
-    for path in pathlib.Path(dump.group(1)).glob("*after_optimizations.txt") if dump else ():
-        defined = hlo_instructions(str(path), path.stat().st_mtime)
-        hlo = {name: re.sub(r"_(\d+)$", r".\1", name) for name in kernels}
-        found = {name: defined[h] for name, h in hlo.items() if h in defined}
-        best = max(best, found, key=len)
-    return best
-
-
-@functools.cache
-def hlo_instructions(path: str, mtime: float) -> dict[str, str]:
-    """{instruction: "shape op"} of an HLO text file, read once (a dump can be large)."""
-    defined = {}
-    pattern = r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) [\w-]+\((.*)$"
-    for m in re.finditer(pattern, pathlib.Path(path).read_text(), re.M):
-        op = re.search(r'op_name="([^"]*)"', m.group(3))
-        defined[m.group(1)] = f"{m.group(2)} {op.group(1).split('/body/')[-1] if op else ''}"
-    return defined
-
-
-def generate_kernels(model, draft, tree, prompts, name: str, args) -> list:
-    """`loop_kernels` of a step of the `generate` loop (plain decoding when `draft` is None)."""
+def generate_kernels(model, draft, tree, prompts, name: str, args, kernels=None) -> list:
+    """`loop_kernels` of a step of the `generate` loop (plain decoding when `draft` is None), on
+    `kernels` (`rollout_config`)."""
     lengths = jnp.full((prompts.shape[0],), args.prompt_len, jnp.int32)
-    config = lambda m: rollout_config(tree, m, prompts.shape[0], args)
+    config = lambda m: rollout_config(tree, m, prompts.shape[0], args, kernels)
     run = lambda m: generate(model, draft, prompts, lengths, jax.random.key(0), config(m))
     steps = int(run(args.new_tokens).stats.iterations)
     log_dir = f"{args.profile}/batch{prompts.shape[0]}-{name}"
@@ -458,25 +372,24 @@ def profile_kernels(model, draft, prompts, loops: dict, drafts: dict, args) -> d
 
 
 def compare_backends(model, prompts, rows: int, args) -> tuple[dict, dict]:
-    """The plain step (ms) over `prompts` and, with `--profile`, its kernel table, on each backend
-    of `--compare`. Run last: entering a backend drops the compiled programs of `generate`."""
-    ms, kernels = {}, {}
+    """The plain step (ms) over `prompts` and, with `--profile`, its kernel table, on each rollout
+    attention of `--compare` (`COMPARED`: each compiles its own programs of `generate`)."""
+    ms, tables = {}, {}
     for name in args.compare:
-        with attention_setting(**COMPARED[name]):
-            ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), prompts, rows, args).step
-            if args.profile:
-                kernels[f"plain ({name})"] = generate_kernels(
-                    model, None, TreeConfig(), prompts[:rows], f"plain-{name}", args
-                )
-    return ms, kernels
+        kernels = COMPARED[name]
+        ms[name] = 1e3 * loop_rate(model, None, TreeConfig(), prompts, rows, args, kernels).step
+        if args.profile:
+            tables[f"plain ({name})"] = generate_kernels(
+                model, None, TreeConfig(), prompts[:rows], f"plain-{name}", args, kernels
+            )
+    return ms, tables
 
 
 def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:
     """Seconds of a decode step that reads the weights and the mean cache once at `--bandwidth`."""
-    kv_bytes = (
-        2 * cfg.num_layers * batch * (args.prompt_len + args.new_tokens // 2) * cfg.num_kv_heads
-        * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    )  # fmt: skip
+    tokens = batch * (args.prompt_len + args.new_tokens // 2)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    kv_bytes = tokens * per_token
     return (weight_bytes + kv_bytes) / args.bandwidth
 
 
@@ -529,7 +442,8 @@ def main(argv=None):
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
     models = trained if args.trained else random_models
     if args.check_greedy:
-        check_greedy(*models(args, dtype="float32"), args)
+        trees = {name: TREES[name] for name in args.trees}  # `--no-spec` or not
+        check_greedy(*models(args, dtype="float32"), trees, args)
     model, draft, prompt_rows = models(args)
     log("models ready")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -564,68 +478,6 @@ def print_choices(rows) -> None:
         tree, _ = choose_tree(costs, r["batch"], accepted, r["busy"])
         speedup = 1.0 if tree is None else r["speculative"][tree]["speedup"]
         print(f"batch {r['batch']:4d}: chosen {tree or 'plain decoding'}, speedup {speedup:.2f}x")
-
-
-def check_greedy(model, draft, prompt_rows, args, batch: int = 4, new_tokens: int = 32) -> None:
-    """Raises unless the greedy tokens of `generate` (plain, and with the draft through every tree
-    of `--trees`, `--no-spec` or not) equal those of a step-by-step loop of `prefill` and `decode`
-    (no `for_rollout`, the cache part of attention in XLA, not the Pallas kernel, the products not
-    fused) on the first `batch` prompts. The models are float32, the products in full precision
-    (not TF32) on both sides. With `--trained`, drafts are accepted, so the acceptance walk and the
-    accepted path's move into the cache are checked too; each tree's accepted tokens are logged.
-    The loops compile `--compile-threads` at a time."""
-    prompts = jnp.asarray(np.resize(prompt_rows, (batch, args.prompt_len)), jnp.int32)
-    lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
-    highest = lambda: jax.default_matmul_precision("highest")  # a thread's own setting
-    log(f"greedy check: {batch} x {new_tokens} tokens, float32; the step-by-step loop")
-    with highest():
-        expected = step_by_step_greedy(model, prompts, new_tokens)
-    loops = {"plain": (None, TreeConfig()), **{k: (draft, TREES[k]) for k in args.trees}}
-    key = jax.random.key(0)
-    config = lambda tree: RolloutConfig(max_new_tokens=new_tokens, temperature=0.0, tree=tree)
-
-    def compiled(loop):
-        with highest():
-            compile_generate(model, loop[0], prompts, lengths, key, config(loop[1]))
-
-    log(f"greedy check: compiling {', '.join(loops)}")
-    with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
-        list(pool.map(compiled, loops.values()))
-    log("greedy check: compiled; running")
-    for name, (d, tree) in loops.items():
-        with highest():
-            got = generate(model, d, prompts, lengths, key, config(tree))
-        if not np.array_equal(np.asarray(got.tokens), expected):
-            raise SystemExit(f"greedy check: {name} differs from the step-by-step loop")
-        log(f"greedy check: {name} equal; {float(got.stats.accepted.sum()):.0f} drafted tokens "
-            f"accepted in {float(got.stats.steps.sum()):.0f} verify steps")  # fmt: skip
-    backend = decode_attention.attention_backend(model.config.head_dim)
-    log(f"greedy check: {', '.join(loops)} (cache attention: {backend}) equal the step-by-step "
-        f"loop (XLA; {batch} x {new_tokens} tokens, float32)")  # fmt: skip
-
-
-def step_by_step_greedy(model, prompts, new_tokens: int) -> np.ndarray:
-    """[B, new_tokens] greedy tokens of the model's own `prefill`, then `decode` one token at a
-    time, the cache part of attention in XLA. It is the reference, so it compiles without XLA's
-    search of GEMM tilings on the GPU: its speed does not matter."""
-    batch, t = prompts.shape
-    graphdef, state = nnx.split(model)
-    m = lambda state: nnx.merge(graphdef, state)
-    no_search = {"xla_gpu_autotune_level": 0}
-    untuned = lambda f, *args: jax.jit(f).lower(state, *args).compile(compiler_options=no_search)
-    start = time.perf_counter()
-    with attention_setting(backend="xla"):
-        cache = model.init_cache(batch, t + new_tokens)
-        prefill = untuned(lambda s, c: m(s).prefill(prompts, c), cache)
-        token = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        decode = untuned(lambda s, tok, c: m(s).decode(tok, c), token, cache)
-    log(f"greedy check: the step-by-step loop compiled in {time.perf_counter() - start:.0f} s")
-    logits, cache = prefill(state, cache)
-    tokens = []
-    for _ in range(new_tokens):
-        tokens.append(jnp.argmax(logits, axis=-1))
-        logits, cache = decode(state, tokens[-1], cache)
-    return np.stack(jax.device_get(tokens), axis=1)
 
 
 def random_draft(cfg, draft_vocab: int):

@@ -1,6 +1,7 @@
 """Timing jitted functions for the benchmarks: compiled ahead of time, one warm-up call, then the
 mean over `iters` calls, each waited for (`time_compiled`); the fastest of `iters` calls
-(`best_time`); one body of a jitted loop, free of what a call pays once (`loop_seconds`)."""
+(`best_time`); one body of a jitted loop, free of what a call pays once (`loop_seconds`); lines
+of progress stamped with the seconds since the start (`log`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,11 @@ def loop_seconds(run, iters: int, short: int = 2, long: int = 10) -> float:
     (dispatch, slicing the weights for the loop) drops out."""
     seconds = lambda n: best_time(lambda: run(jnp.int32(n)), iters)
     return (seconds(long) - seconds(short)) / (long - short)
+
+
+START = time.perf_counter()
+
+
+def log(what: str) -> None:
+    """A line of progress with the seconds since the start (compiles dominate a run's time)."""
+    print(f"[{time.perf_counter() - START:6.0f} s] {what}", flush=True)

@@ -12,7 +12,7 @@ from jspec.config.loader import CONFIG_DIR, load, parse_overrides, resolve_path,
 from jspec.config.model import ModelConfig, RopeScaling
 from jspec.config.parallel import MeshConfig, PipelineConfig
 from jspec.config.rl import RLConfig, TaskConfig
-from jspec.config.rollout import DraftConfig, RolloutConfig, TreeConfig
+from jspec.config.rollout import DraftConfig, KernelConfig, RolloutConfig, TreeConfig
 from jspec.config.run import Config
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DraftConfig",
+    "KernelConfig",
     "MeshConfig",
     "ModelConfig",
     "PipelineConfig",

@@ -9,6 +9,7 @@ from jspec.config.model import ModelConfig
 
 _TREE_KINDS = ("chain", "static", "dynamic")
 _DRAFT_KINDS = ("eagle3", "external", "none")
+_DECODE_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,30 @@ class DraftConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which attention kernels rollout queries take against the KV cache; static in the compiled
+    rollout, so a change compiles anew.
+
+    Up to `few_queries` queries per row (a decoded token, a verified tree) take the few-query path
+    (`impl="decode"`: one read of the cache for all queries of a row); longer prefills take the
+    block kernels (0: always the block kernels). The few-query path folds the cache in on
+    `decode_backend`: 'auto' the Pallas kernel on an NVIDIA GPU that can run it and XLA elsewhere,
+    'xla', 'pallas', or 'pallas_interpret' (the kernel in Pallas' interpreter: slow, for tests on
+    the CPU).
+    """
+
+    few_queries: int = 64
+    decode_backend: str = "auto"
+
+    def validate(self, where: str = "rollout.kernels") -> None:
+        if self.few_queries < 0:
+            raise ConfigError(
+                f"{where}.few_queries={self.few_queries} must be >= 0 (0: the block kernels only)."
+            )
+        choice(f"{where}.decode_backend", self.decode_backend, _DECODE_BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How rollouts are generated: sampling, stopping, and the draft and tree that speed them up."""
 
@@ -119,6 +144,7 @@ class RolloutConfig:
     # activations are of this many rows. A refill waits until that many rows are free. 0: every
     # row at once when every prompt has a row, else a row in 8 (at least one per row shard).
     refill_rows: int = 0
+    kernels: KernelConfig = KernelConfig()
 
     def validate(self, model: ModelConfig, where: str = "rollout") -> None:
         if self.max_new_tokens < 1:
@@ -148,5 +174,6 @@ class RolloutConfig:
             )
         self.draft.validate(f"{where}.draft")
         self.tree.validate(f"{where}.tree")
+        self.kernels.validate(f"{where}.kernels")
         if self.draft.kind == "eagle3":
             model.check_taps()

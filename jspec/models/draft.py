@@ -24,6 +24,8 @@ token meets the embedding of the next one); for an external draft, token j at po
   nodes at RoPE position (root slot's position + depth), anchored at the root's slot, below
   earlier nodes (`TreeKV`) or the root (-1); returns their logits, hidden states and K/V.
 Logits always cover the target's whole vocabulary (-inf outside a draft vocabulary), in float32.
+`prefill`, `extend` and `tree_step` attend to the cache on the kernels of `kernels=` (a static
+`KernelConfig`: `RolloutConfig.kernels`; None: its defaults).
 """
 
 from __future__ import annotations
@@ -42,25 +44,13 @@ from jaxtyping import Array, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import attention
 from jspec.attention.decode import cache_slots
-from jspec.config import ConfigError, ModelConfig
-from jspec.models.transformer import (
-    CacheWriter,
-    KVCache,
-    Transformer,
-    TreeKV,
-    _param,
-    attention_sublayer,
-    cache_attention,
-    create_sharded,
-    fuse_products,
-    last_valid,
-    rms_norm,
-    rollout_weights,
-    rope_angles,
-    swiglu,
-)
+from jspec.config import ConfigError, KernelConfig, ModelConfig
+from jspec.models import layers
+from jspec.models.cache import CacheWriter, KVCache, TreeKV, cache_attention, last_valid
+from jspec.models.transformer import Transformer, create_sharded
 
 Taps = Float[Array, "taps b t d"]
+Kernels = KernelConfig | None  # what attention to the cache runs on (None: `KernelConfig()`)
 
 
 class DraftOut(NamedTuple):
@@ -80,11 +70,17 @@ class Draft(Protocol):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache: ...
 
-    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut: ...
+    def prefill(
+        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+    ) -> DraftOut: ...
 
-    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut: ...
+    def extend(
+        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+    ) -> DraftOut: ...
 
-    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV): ...
+    def tree_step(
+        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+    ): ...
 
     def empty_tree(self, batch: int, capacity: int) -> TreeKV: ...
 
@@ -185,7 +181,7 @@ class Eagle3Draft(nnx.Module):
         config.validate()
         c = config.layer
         d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        p = functools.partial(_param, rngs, dtype=jnp.dtype(c.param_dtype))
+        p = functools.partial(layers.init_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config, self.mesh = config, mesh
         self.fc = p((config.num_taps * d, d), (None, "embed"), fan_in=config.num_taps * d)
         self.input_norm = p((d,), ("norm",), fan_in=None)
@@ -225,24 +221,24 @@ class Eagle3Draft(nnx.Module):
         c = self.config.layer
         w = lambda p: p[...].astype(self._dtype)
         fused = self.w_qkv is not None
-        normed = rms_norm(hidden_BTD, self.hidden_norm[...], c.rms_norm_eps)
-        h_BT2D = jnp.concatenate(
-            [rms_norm(emb_BTD.astype(self._dtype), self.input_norm[...], c.rms_norm_eps), normed],
-            axis=-1,
+        normed = layers.rms_norm(hidden_BTD, self.hidden_norm[...], c.rms_norm_eps)
+        embedded = layers.rms_norm(
+            emb_BTD.astype(self._dtype), self.input_norm[...], c.rms_norm_eps
         )
-        o_BTD, kv = attention_sublayer(
-            h_BT2D, w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv)), w(self.wo),
-            cos_sin, attend, eps=c.rms_norm_eps,
-        )  # fmt: skip
+        h_BT2D = jnp.concatenate([embedded, normed], axis=-1)
+        w_qkv = w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv))
+        o_BTD, kv = layers.attention_sublayer(
+            h_BT2D, w_qkv, w(self.wo), cos_sin, attend, eps=c.rms_norm_eps
+        )
         x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
-        h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
-        x_BTD = x_BTD + swiglu(h_BTD, w_in, w(self.w_down))
+        x_BTD = x_BTD + layers.swiglu(h_BTD, w_in, w(self.w_down))
         return x_BTD, kv
 
     def draft_logits(self, hidden_BTD) -> Float[Array, "b t vd"]:
         """Logits over the draft vocabulary (float32)."""
-        x = rms_norm(hidden_BTD, self.final_norm[...], self.config.layer.rms_norm_eps)
+        x = layers.rms_norm(hidden_BTD, self.final_norm[...], self.config.layer.rms_norm_eps)
         w = self.lm_head[...].astype(x.dtype)
         return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
 
@@ -265,7 +261,8 @@ class Eagle3Draft(nnx.Module):
         Returns logits over the draft vocabulary and the output hidden states."""
         hidden = self._hidden(features, embeds.shape[:2])
         attend = lambda q, k, v: attention(q, k, v, segment_ids, positions)
-        out, _ = self.layer(embeds, hidden, rope_angles(self.config.layer, positions), attend)
+        cos_sin = layers.rope_angles(self.config.layer, positions)
+        out, _ = self.layer(embeds, hidden, cos_sin, attend)
         return self.draft_logits(out), out
 
     # -- the Draft interface -------------------------------------------------------------------
@@ -273,30 +270,36 @@ class Eagle3Draft(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return _init_cache(self.config.layer, self.mesh, batch, max_len)
 
-    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut:
+    def prefill(
+        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+    ) -> DraftOut:
         """Slots 0 .. n-1 of a prompt of n tokens: features of tokens 0 .. n-1 with tokens
         1 .. n-1 and the root."""
         b, t = prompt.shape
         nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
         nxt = jnp.where(jnp.arange(t) == lengths[:, None] - 1, root[:, None], nxt)
-        return self.extend(embed, nxt, features, lengths, cache)
+        return self.extend(embed, nxt, features, lengths, cache, kernels=kernels)
 
-    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut:
-        writer = CacheWriter(cache, count, tokens.shape[1], self.mesh)
-        cos_sin = rope_angles(self.config.layer, writer.q_positions)
+    def extend(
+        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+    ) -> DraftOut:
+        writer = CacheWriter(cache, count, tokens.shape[1], self.mesh, kernels)
+        cos_sin = layers.rope_angles(self.config.layer, writer.q_positions)
         attend = functools.partial(writer.attend, 0)
         out, _ = self.layer(_lookup(embed, tokens), self.fuse(features), cos_sin, attend)
         last = last_valid(out, count)
         return DraftOut(self._root_logits(last), last, writer.cache)
 
-    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
+    def tree_step(
+        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+    ):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
 
         attend = lambda q, k, v: cache_attention(
-            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh
+            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh, kernels
         )
 
-        cos_sin = rope_angles(self.config.layer, positions)
+        cos_sin = layers.rope_angles(self.config.layer, positions)
         out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)
         return self.to_target_vocab(self.draft_logits(out)), out, k[None], v[None], anchor
 
@@ -310,9 +313,9 @@ class Eagle3Draft(nnx.Module):
         few times), its weights cast to the compute dtype once (`rollout_weights`)."""
         constrain = lambda x, names: mesh_lib.constrain(x, self.mesh, names)
         # q/k/v read [embedding, hidden state] (2D), which the mesh does not split
-        draft = fuse_products(nnx.merge(*nnx.split(self)), constrain, input_axis=None)
+        draft = layers.fuse_products(nnx.merge(*nnx.split(self)), constrain, input_axis=None)
         graphdef, state = nnx.split(draft)
-        return nnx.merge(graphdef, rollout_weights(state, self._dtype))
+        return nnx.merge(graphdef, layers.rollout_weights(state, self._dtype))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -406,21 +409,27 @@ class ExternalDraft(nnx.Module):
     def for_rollout(self) -> ExternalDraft:
         return ExternalDraft(self.model.for_rollout())
 
-    def prefill(self, embed, prompt, lengths, root, features: Taps, cache) -> DraftOut:
+    def prefill(
+        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+    ) -> DraftOut:
         """Slots 0 .. n: the prompt, then the root."""
         b, t = prompt.shape
         seq = jnp.concatenate([prompt, jnp.zeros((b, 1), prompt.dtype)], axis=1)
         seq = jnp.where(jnp.arange(t + 1) == lengths[:, None], root[:, None], seq)
-        return self.extend(embed, seq, None, lengths + 1, cache)
+        return self.extend(embed, seq, None, lengths + 1, cache, kernels=kernels)
 
-    def extend(self, embed, tokens, features: Taps, count, cache: KVCache) -> DraftOut:
-        logits, cache = self.model.prefill(tokens, cache, count)
+    def extend(
+        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+    ) -> DraftOut:
+        logits, cache = self.model.prefill(tokens, cache, count, kernels=kernels)
         return DraftOut(logits, jnp.zeros((tokens.shape[0], 0), logits.dtype), cache)
 
-    def tree_step(self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV):
+    def tree_step(
+        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+    ):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
         logits, k, v = self.model.branch_forward(
-            cache, tokens, positions, anchor, parent, earlier=tree
+            cache, tokens, positions, anchor, parent, earlier=tree, kernels=kernels
         )
         return logits, parent_hidden, k, v, anchor
 

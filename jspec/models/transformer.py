@@ -13,10 +13,12 @@ Mixture of experts (`jspec.models.moe`): layers with the sparse MLP are stacked 
 with the dense MLP (`layer_stacks`), as the two have different weights; training scans each run of
 consecutive layers of one kind, rollout steps through the layers in order, from either stack.
 
-Attention itself is `jspec.attention`: this module rotates q and k and hands them over. Decode is
-a one-token prefill: the token's K/V are written into the cache, layer by layer in place, and the
-token attends to the cache. Verification is the branch forward (nodes hanging off the last cached
-token); `KVCache.append` then writes the accepted nodes.
+Attention itself is `jspec.attention`: the layer rotates q and k and hands them over
+(`jspec.models.layers` holds the pieces of a layer). Decode is a one-token prefill: the token's K/V
+are written into the cache, layer by layer in place, and the token attends to the cache.
+Verification is the branch forward (nodes hanging off the last cached token); `KVCache.append`
+then writes the accepted nodes (`jspec.models.cache`: the cache and rollout attention, on the
+kernels a `KernelConfig` names).
 
 Shape suffixes: B batch, T tokens, N branch nodes, S cache slots, L layers, D hidden, H query heads,
 K key/value heads, E head dim, F MLP width, V vocabulary.
@@ -25,21 +27,29 @@ K key/value heads, E head dim, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
 from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
-from jspec.config import ConfigError, ModelConfig
+from jspec.config import ConfigError, KernelConfig, ModelConfig
+from jspec.models.cache import KV, CacheWriter, KVCache, TreeKV, cache_attention, last_valid
+from jspec.models.layers import (
+    attention_sublayer,
+    fuse_products,
+    init_param,
+    rms_norm,
+    rollout_weights,
+    rope_angles,
+    swiglu,
+)
 from jspec.models.moe import MoE, load_balancing_loss
 
 # Batch and sequence names of activations, in training and in rollout (where the context axis
@@ -47,11 +57,6 @@ from jspec.models.moe import MoE, load_balancing_loss
 TRAIN_ACT = ("batch", "seq")
 ROLLOUT_ACT = ("decode_batch", None)
 
-# Rollout queries per row up to which attention takes the few-query path (`impl="decode"`: one read
-# of the cache for all queries of a row); longer prefills take the block kernels.
-FEW_QUERIES = 64
-
-KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
 Taps = Float[Array, "taps b t d"]  # hidden states entering the layers config.taps (T may be absent)
 
 # Which config field sizes each logical parameter axis, for the mesh check.
@@ -100,64 +105,6 @@ def layer_stacks(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pieces.
-
-
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm over the last axis in float32, rounded back before the weight (as Hugging Face)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * y.astype(x.dtype)
-
-
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [E/2] (float32), with Llama-3 frequency-dependent scaling if set."""
-    e = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, e, 2, dtype=np.float32) / e))
-    s = config.rope_scaling
-    if s is None:
-        return inv.astype(np.float32)
-    wavelen = 2 * np.pi / inv
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_angles(config: ModelConfig, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
-    """(cos, sin) [B,T,1,E] for `apply_rope`, computed once per forward for all layers: cos of
-    each half's angles, and sin with the first half negated (the sign `rotate_half` gives)."""
-    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
-    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
-    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
-
-
-def apply_rope(x_BTHE: Array, cos_sin: tuple[Array, Array]) -> Array:
-    """Rotary embedding in the split-half layout of Hugging Face Llama/Qwen (`rotate_half`):
-    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]. The halves are swapped by reversing an axis
-    of length 2, an index map that fuses with the arithmetic: on the GPU a concatenate of the
-    halves can run as a kernel of its own (`wrapped_concatenate`) in every layer."""
-    cos, sin = cos_sin
-    x = x_BTHE.astype(jnp.float32)
-    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)  # [x2, x1]
-    return (x * cos + swapped * sin).astype(x_BTHE.dtype)
-
-
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, fan_in: int | None) -> nnx.Param:
-    """A parameter with its logical axis names; fan_in None means ones (a norm weight)."""
-    if fan_in is None:
-        value = jnp.ones(shape, dtype)
-    else:
-        value = (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
-    return nnx.Param(value, axes=axes)
-
-
-# ---------------------------------------------------------------------------------------------
 # The layer.
 
 
@@ -180,7 +127,7 @@ class Block(nnx.Module):
     ):
         c, n = config, num_layers
         d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        p = functools.partial(_param, rngs, dtype=jnp.dtype(c.param_dtype))
+        p = functools.partial(init_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config = config
         self.attn_norm = p((n, d), ("layers", "norm"), fan_in=None)
         self.wq = p((n, d, h, e), ("layers", "embed", "heads", "head_dim"), fan_in=d)
@@ -210,10 +157,9 @@ class Block(nnx.Module):
         w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))
         fused = self.w_qkv is not None
         h_BTD = rms_norm(x_BTD, self.attn_norm[...], c.rms_norm_eps)
-        o_BTD, kv = attention_sublayer(
-            h_BTD, w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv)), w(self.wo),
-            cos_sin, attend, q_norm=w(self.q_norm), k_norm=w(self.k_norm), eps=c.rms_norm_eps,
-        )  # fmt: skip
+        w_qkv = w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv))
+        norms = dict(q_norm=w(self.q_norm), k_norm=w(self.k_norm), eps=c.rms_norm_eps)
+        o_BTD, kv = attention_sublayer(h_BTD, w_qkv, w(self.wo), cos_sin, attend, **norms)
         x_BTD = x_BTD + o_BTD
         h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
         if self.moe is not None:
@@ -234,64 +180,6 @@ class Block(nnx.Module):
         return fuse_products(nnx.merge(*nnx.split(self)), constrain, mlp=self.moe is None)
 
 
-def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None = "embed"):
-    """`layer` (a copy, changed in place) with wq, wk, wv replaced by w_qkv [D, K, G+2, E] (each KV
-    head's G query heads, then its k and v; `project_qkv` reads it) and, with `mlp`, w_gate and
-    w_up by w_gate_up [D, 2, F] (`swiglu` reads it). `constrain(x, logical axis names)` places
-    them; `input_axis` names the q/k/v products' input axis."""
-    wq_DHE, wk_DKE, wv_DKE = layer.wq[...], layer.wk[...], layer.wv[...]
-    d, h, e = wq_DHE.shape
-    k = wk_DKE.shape[1]
-    q_DKGE = wq_DHE.reshape(d, k, h // k, e)
-    qkv = jnp.concatenate([q_DKGE, wk_DKE[:, :, None], wv_DKE[:, :, None]], axis=2)
-    layer.w_qkv = nnx.Param(constrain(qkv, (input_axis, "kv_heads", None, "head_dim")))
-    layer.wq = layer.wk = layer.wv = None
-    if mlp:
-        gate_up = jnp.stack([layer.w_gate[...], layer.w_up[...]], axis=1)
-        layer.w_gate_up = nnx.Param(constrain(gate_up, ("embed", None, "mlp")))
-        layer.w_gate = layer.w_up = None
-    return layer
-
-
-def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
-    """Projections (`w_qkv`: see `project_qkv`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
-    output projection.
-
-    Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
-    attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
-    """
-    q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv)
-    if q_norm is not None:
-        q_BTHE = rms_norm(q_BTHE, q_norm, eps)
-        k_BTKE = rms_norm(k_BTKE, k_norm, eps)
-    q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
-    o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
-    return jnp.einsum("bthe,hed->btd", o_BTHE, wo), (k_BTKE, v_BTKE)
-
-
-def project_qkv(h_BTD, w_qkv):
-    """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
-    fused [D, K, G+2, E] (`Block.fused`), query head h = KV head h // G."""
-    if isinstance(w_qkv, tuple):
-        wq, wk, wv = w_qkv
-        q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, wq)
-        return q_BTHE, *(jnp.einsum("btd,dke->btke", h_BTD, w) for w in (wk, wv))
-    qkv = jnp.einsum("btd,dkne->btkne", h_BTD, w_qkv)
-    b, t, k, n, e = qkv.shape
-    return qkv[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qkv[:, :, :, -2], qkv[:, :, :, -1]
-
-
-def swiglu(h_BTD, w_in, w_down):
-    """The SwiGLU MLP of Llama and Qwen; `w_in` is (w_gate, w_up) [D,F], or the two stacked
-    [D, 2, F] (`Block.fused`)."""
-    if isinstance(w_in, tuple):
-        g_BTF, u_BTF = (jnp.einsum("btd,df->btf", h_BTD, w) for w in w_in)
-    else:
-        gu = jnp.einsum("btd,dcf->btcf", h_BTD, w_in)
-        g_BTF, u_BTF = gu[:, :, 0], gu[:, :, 1]
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
-
-
 def remat_layer(body, remat: str, static_argnums=()):
     """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
     'dots' also the weight matmuls, 'none' everything."""
@@ -302,195 +190,7 @@ def remat_layer(body, remat: str, static_argnums=()):
 
 
 # ---------------------------------------------------------------------------------------------
-# The KV cache.
-
-
-class KVCache(NamedTuple):
-    """Static-shape KV cache (a pytree), one document per row.
-
-    Slot i of row b holds the token at position i; slots at or past `length[b]` carry segment 0, so
-    attention never sees them, whatever their K/V. `overflowed[b]` marks a row that was asked to
-    hold more tokens than it has slots (only possible under `jit`, where the lengths are not
-    known before running): its extra tokens were dropped and its results must not be used.
-    """
-
-    # One array per layer, heads-major [B,Hkv,S,E]: the layout decode attention reads (`decode`),
-    # and no layer is sliced out of a stack (a copy of it whenever a kernel reads it).
-    k: tuple[Float[Array, "b kv s e"], ...]
-    v: tuple[Float[Array, "b kv s e"], ...]
-    segment_ids: Int[Array, "b s"]
-    positions: Int[Array, "b s"]
-    length: Int[Array, " b"]
-    overflowed: Bool[Array, " b"]
-
-    def slots(self, count: Int[Array, " b"], n: int) -> Int[Array, "b n"]:
-        """Where the first `count[b]` of n new tokens of row b go (the slot count `s` = dropped).
-
-        Raises if the values are concrete and some row has no room for its tokens.
-        """
-        b, s = self.segment_ids.shape
-        if concrete(self.length, count):
-            over = np.flatnonzero(np.asarray(self.length) + np.asarray(count) > s)
-            if over.size:
-                r = int(over[0])
-                raise ValueError(
-                    f"row {r} of the KV cache holds {int(self.length[r])} of {s} slots and cannot "
-                    f"take {int(count[r])} more tokens; make the cache longer (init_cache max_len) "
-                    "or write fewer tokens."
-                )
-        j = jnp.arange(n, dtype=jnp.int32)
-        return jnp.where(j < count[:, None], self.length[:, None] + j, s)
-
-    def append(self, k: KV, v: KV, count: Int[Array, " b"]) -> KVCache:
-        """Writes the first `count[b]` of the N new tokens of row b at slots `length[b]` onwards.
-
-        Accepted draft paths grow the cache through here; prefill and decode write layer by layer
-        with `slots` and `with_tokens`.
-        """
-        slot_BN = self.slots(count, k.shape[2])
-        write = lambda layers, new: tuple(
-            map(functools.partial(write_kv, slot_BN=slot_BN), layers, new)
-        )
-        return self.with_tokens(slot_BN, count)._replace(k=write(self.k, k), v=write(self.v, v))
-
-    def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
-        """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they
-        were); a row whose tokens do not all fit is marked `overflowed`."""
-        b, s = self.segment_ids.shape
-        put = lambda a, x: a.at[jnp.arange(b)[:, None], slot_BN].set(x, mode="drop")
-        wanted = self.length + count.astype(jnp.int32)
-        return self._replace(
-            segment_ids=put(self.segment_ids, 1),
-            positions=put(self.positions, slot_BN),
-            length=jnp.minimum(wanted, s),
-            overflowed=self.overflowed | (wanted > s),
-        )
-
-
-def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"]) -> Array:
-    """Writes a layer's new K or V [B,N,K,E] at the slots of each row of its cache [B,K,S,E] (in
-    place under `jit` when the cache is donated or carried). Slots past the end are dropped."""
-    rows = jnp.arange(slot_BN.shape[0])[:, None, None]
-    heads = jnp.arange(cache_kv.shape[1])[None, :, None]
-    new = jnp.swapaxes(new_kv, 1, 2).astype(cache_kv.dtype)  # [B, K, N, E]
-    return cache_kv.at[rows, heads, slot_BN[:, None, :]].set(new, mode="drop")
-
-
-class CacheWriter:
-    """Attention of T new tokens per row that continue the cache's documents: each layer writes the
-    tokens' K/V into its cache (in place) and the tokens attend to it.
-
-    `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
-    """
-
-    def __init__(self, cache: KVCache, count: Int[Array, " b"], t: int, mesh: Mesh | None = None):
-        self.mesh = mesh
-        j = jnp.arange(t, dtype=jnp.int32)
-        self.q_positions = cache.length[:, None] + j
-        self.q_segment_ids = (j < count[:, None]).astype(jnp.int32)
-        self.slot_BT = cache.slots(count, t)
-        self.cache = cache.with_tokens(self.slot_BT, count)
-
-    def attend(self, i: int, q, k, v):
-        c = self.cache
-        k_i, v_i = write_kv(c.k[i], k, self.slot_BT), write_kv(c.v[i], v, self.slot_BT)
-        put = lambda layers, x: (*layers[:i], x, *layers[i + 1 :])
-        self.cache = c._replace(k=put(c.k, k_i), v=put(c.v, v_i))
-        ids = dict(q_segment_ids=self.q_segment_ids, q_positions=self.q_positions)
-        return rollout_attention(self.mesh, q, k_i, v_i, c.segment_ids, c.positions, **ids)
-
-
-def rollout_impl(queries: int) -> str:
-    """The attention path of rollout queries: few per row take `impl="decode"`."""
-    return "decode" if queries <= FEW_QUERIES else "auto"
-
-
-def cache_attention(cache: KVCache, layer: int, branch: Branch, mesh: Mesh | None = None):
-    """Branch nodes (verification, draft trees) against one layer of the cache."""
-    k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
-    return rollout_attention(mesh, None, k, v, seg, pos, branch=branch)[1]
-
-
-def rollout_attention(mesh: Mesh | None, q, k, v, segment_ids, positions, **kw):
-    """`attention` of rollout queries q [B,T,H,E] (or None, with a `branch`) against a layer's
-    cache [B,Hkv,S,E]. On a mesh of several devices it runs inside `shard_map`, rows and heads
-    split as `jspec.mesh.RULES` places them (every row and KV head is independent): a Pallas
-    kernel has no SPMD partitioning rule, so XLA would gather its inputs to every device."""
-    queries = (q if q is not None else kw["branch"].q).shape[1]
-    call = lambda q, k, v, seg, pos, kw: attention(
-        q, k, v, seg, pos, impl=rollout_impl(queries), heads_major=True, **kw
-    )
-    if mesh is None or mesh.size == 1 or k.shape[0] % mesh_lib.axis_size(mesh, "decode_batch"):
-        return call(q, k, v, segment_ids, positions, kw)  # (rows that do not split: unsharded)
-    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
-    ids, q_spec = P(rows, None), P(rows, None, heads, None)
-    kw_specs = {name: ids for name in kw if name != "branch"}
-    if "branch" in kw:
-        kw_specs["branch"] = jax.tree.map(
-            lambda x: q_spec if x.ndim == 4 else ids, kw["branch"]
-        )._replace(k=P(rows, None, kv, None), v=P(rows, None, kv, None))
-    specs = (None if q is None else q_spec, P(rows, kv, None, None), P(rows, kv, None, None), ids,
-             ids, kw_specs)  # fmt: skip
-    out_specs = q_spec if "branch" not in kw else (None if q is None else q_spec, q_spec)
-    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(
-        q, k, v, segment_ids, positions, kw
-    )
-
-
-def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
-    """x at each row's last valid token [B,D]; NaN for a row with none."""
-    last = jnp.take_along_axis(x_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    return jnp.where(count[:, None] >= 1, last, jnp.nan)
-
-
-class TreeKV(NamedTuple):
-    """Branch nodes computed at earlier steps of a tree expansion, which later nodes may have as
-    ancestors: their K/V per layer, anchors (-1: not filled yet) and parents (indices into these
-    C nodes). A fixed capacity C, so one expansion step keeps one shape at every depth."""
-
-    k: Float[Array, "l b c kv e"]
-    v: Float[Array, "l b c kv e"]
-    anchor: Int[Array, "b c"]
-    parent: Int[Array, "b c"]
-
-    @classmethod
-    def empty(cls, num_layers, batch, capacity, num_kv_heads, head_dim, dtype) -> TreeKV:
-        kv = jnp.zeros((num_layers, batch, capacity, num_kv_heads, head_dim), dtype)
-        ids = jnp.full((batch, capacity), -1, jnp.int32)
-        return cls(kv, kv, ids, ids)
-
-    def branch(self, i: int, q, k, v, anchor, parent) -> Branch:
-        """The `Branch` of N new nodes (q, k, v [B,N,.,E]; `parent` indexes these C nodes followed
-        by the N new ones) with the earlier nodes of layer i as possible ancestors."""
-        c, n = self.anchor.shape[1], q.shape[1]
-        cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1)
-        return Branch(
-            q, cat(self.k[i], k), cat(self.v[i], v), cat(self.anchor, anchor),
-            cat(self.parent, parent),
-            query_nodes=jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32), anchor.shape),
-        )  # fmt: skip
-
-    def add(self, k: KV, v: KV, anchor, parent, offset) -> TreeKV:
-        """Stores N new nodes at indices offset .. offset + N - 1."""
-        at = lambda a, x, axis: jax.lax.dynamic_update_slice_in_dim(
-            a, x.astype(a.dtype), offset, axis
-        )
-        kv = (at(self.k, k, 2), at(self.v, v, 2))
-        return TreeKV(*kv, at(self.anchor, anchor, 1), at(self.parent, parent, 1))
-
-
-# ---------------------------------------------------------------------------------------------
 # The model.
-
-
-def rollout_weights(weights, dtype):
-    """`weights` (a pytree) with each floating-point array cast to the compute `dtype`, behind an
-    optimization barrier: a copy made once before a loop of rollout steps, which XLA would
-    otherwise fuse back into the loop and redo at every step. Every weight is cast to the compute
-    dtype where it is used, so the copy computes exactly what the weights do."""
-    dtype = jnp.dtype(dtype)
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.lax.optimization_barrier(jax.tree.map(cast, weights))
 
 
 class Transformer(nnx.Module):
@@ -507,16 +207,18 @@ class Transformer(nnx.Module):
         self.config = config
         self.mesh = mesh
         vd = (c.vocab_size, c.hidden_size)
-        self.embed = _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+        self.embed = init_param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
         stacks = layer_stacks(config)
         dense, sparse = stacks.get("layers"), stacks.get("moe_layers")
         self.layers = Block(config, len(dense), rngs=rngs) if dense else None
         self.moe_layers = (
             Block(config, len(sparse), rngs=rngs, sparse=True, mesh=mesh) if sparse else None
         )
-        self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pdt, None)
+        self.final_norm = init_param(rngs, (c.hidden_size,), ("norm",), pdt, None)
         tied = c.tie_embeddings
-        self.unembed = None if tied else _param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+        self.unembed = (
+            None if tied else init_param(rngs, vd, ("vocab", "embed"), pdt, c.hidden_size)
+        )
         self.unstacked = nnx.data(None)  # set by `for_rollout`
 
     # -- training ------------------------------------------------------------------------------
@@ -552,10 +254,8 @@ class Transformer(nnx.Module):
             tokens, segment_ids, positions = (
                 zigzag_shard(x, natural_seg, cp) for x in (tokens, segment_ids, positions)
             )
-            ring = sharded_ring(
-                self.mesh, mesh_lib.RULES["seq"], batch_axis=mesh_lib.RULES["batch"],
-                head_axis=mesh_lib.RULES["act_heads"],
-            )  # fmt: skip
+            axes = dict(batch_axis=mesh_lib.RULES["batch"], head_axis=mesh_lib.RULES["act_heads"])
+            ring = sharded_ring(self.mesh, mesh_lib.RULES["seq"], **axes)
             attend = lambda q, k, v, seg, pos: ring(q, k, v, seg, pos, None)[0]
         else:
             attend = attention
@@ -628,6 +328,7 @@ class Transformer(nnx.Module):
         lengths: Int[Array, " b"] | None = None,
         *,
         taps: bool = False,
+        kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
         """Runs right-padded tokens (row b: the first `lengths[b]`; None: all T) into the cache,
         continuing each row's document at position `cache.length[b]` (0 for a new cache).
@@ -635,6 +336,7 @@ class Transformer(nnx.Module):
         Returns the logits after each row's last new token, the cache with the tokens written and,
         with `taps`, the tap hidden states of every new token [len(taps),B,T,D]. A row given no new
         token has no such logits: that is an error for concrete lengths, and NaN logits under `jit`.
+        `kernels`: what attention to the cache runs on (None: `KernelConfig()`).
         """
         b, t = tokens.shape
         if lengths is None:
@@ -646,7 +348,7 @@ class Transformer(nnx.Module):
                 f"lengths[{r}]={int(lengths[r])}: every row needs at least one new token (a row "
                 "with none has no logits to return); drop the row or give it a token."
             )
-        writer = CacheWriter(cache, lengths, t, self.mesh)
+        writer = CacheWriter(cache, lengths, t, self.mesh, kernels)
         x_BTD = self._embed(tokens, ROLLOUT_ACT)
         cos_sin = rope_angles(self.config, writer.q_positions)
         x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, taps)
@@ -654,11 +356,17 @@ class Transformer(nnx.Module):
         return (logits, writer.cache, jnp.stack(taps_)) if taps else (logits, writer.cache)
 
     def decode(
-        self, token: Int[Array, " b"], cache: KVCache, *, taps: bool = False
+        self,
+        token: Int[Array, " b"],
+        cache: KVCache,
+        *,
+        taps: bool = False,
+        kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
         """One token per row at position `cache.length`: logits [B,V], the cache with the token
-        appended, and with `taps` the tap hidden states [len(taps),B,D]."""
-        out = self.prefill(token[:, None], cache, taps=taps)
+        appended, and with `taps` the tap hidden states [len(taps),B,D] (`kernels`: as `prefill`).
+        """
+        out = self.prefill(token[:, None], cache, taps=taps, kernels=kernels)
         return (*out[:2], out[2][:, :, 0]) if taps else out
 
     def branch_forward(
@@ -671,6 +379,7 @@ class Transformer(nnx.Module):
         *,
         taps: bool = False,
         earlier: TreeKV | None = None,
+        kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b n v"], KV, KV] | tuple[Float[Array, "b n v"], KV, KV, Taps]:
         """Branch tokens against the cache (the verify pass of speculative decoding).
 
@@ -680,7 +389,7 @@ class Transformer(nnx.Module):
         earlier steps of a tree expansion), parents index those C nodes followed by these N.
         Negative tokens are allowed for padding nodes. Returns logits [B,N,V], the nodes' K and V
         [L,B,N,K,E] (for `KVCache.append` of the accepted ones, or `TreeKV.add`) and, with `taps`,
-        their tap states [len(taps),B,N,D]. The cache is not changed.
+        their tap states [len(taps),B,N,D]. The cache is not changed. `kernels`: as `prefill`.
         """
 
         def attend(i, q, k, v):
@@ -688,7 +397,7 @@ class Transformer(nnx.Module):
                 branch = Branch(q, k, v, anchor, parent)
             else:
                 branch = earlier.branch(i, q, k, v, anchor, parent)
-            return cache_attention(cache, i, branch, self.mesh)
+            return cache_attention(cache, i, branch, self.mesh, kernels)
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
         x_BND, taps_, (k, v) = self._unrolled(
@@ -724,8 +433,8 @@ class Transformer(nnx.Module):
 
     def _runs(self, start: int, stop: int) -> list[tuple[str, int, int]]:
         """Layers start..stop-1 as runs (stack, first, end) of consecutive layers of one stack."""
-        where = {i: (name, j) for name, ids in layer_stacks(self.config).items()
-                 for j, i in enumerate(ids)}  # fmt: skip
+        stacks = layer_stacks(self.config).items()
+        where = {i: (name, j) for name, ids in stacks for j, i in enumerate(ids)}
         runs: list[tuple[str, int, int]] = []
         for i in range(start, stop):
             name, j = where[i]

@@ -33,7 +33,7 @@ from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
 from jspec.models.draft import Eagle3Draft
-from jspec.models.transformer import rope_angles
+from jspec.models.layers import rope_angles
 
 
 class DraftLossOut(NamedTuple):

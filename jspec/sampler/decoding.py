@@ -35,8 +35,9 @@ from jspec import mesh as mesh_lib
 from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig, TreeConfig
+from jspec.models.cache import TreeKV
 from jspec.models.draft import Draft, DraftOut, check_target
-from jspec.models.transformer import Transformer, TreeKV
+from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens, verify
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
 from jspec.sampler.tree import (
@@ -280,14 +281,17 @@ def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, l
     b = prompts.shape[0]
     uses_taps = draft is not None and draft.uses_taps
     slots = cache_slots(max_len, target.config.max_seq_len)
-    out = target.prefill(prompts, target.init_cache(b, slots), lengths, taps=uses_taps)
+    cache = target.init_cache(b, slots)
+    out = target.prefill(prompts, cache, lengths, taps=uses_taps, kernels=config.kernels)
     probs = _sampling_probs(out[0], config)
     root = sample_from_probs(key, probs)
     draft_out = None
     if draft is not None:
         features = out[2] if uses_taps else None
         draft_cache = draft.init_cache(b, max_len)
-        draft_out = draft.prefill(embed, prompts, lengths, root, features, draft_cache)
+        draft_out = draft.prefill(
+            embed, prompts, lengths, root, features, draft_cache, kernels=config.kernels
+        )
     return _Rows(out[1], draft_out, root), _log_at(probs, root)
 
 
@@ -351,10 +355,9 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
         tree = propose(draft, embed, s.rows.draft, tree_key, config)
     layout = branch_layout(tree, root, cache.length - 1)
     positions = cache.length[:, None] + layout.depth
-    out = target.branch_forward(
-        cache, layout.tokens, positions, layout.anchor, layout.parent,
-        taps=draft is not None and draft.uses_taps,
-    )  # fmt: skip
+    nodes = (layout.tokens, positions, layout.anchor, layout.parent)
+    taps = draft is not None and draft.uses_taps
+    out = target.branch_forward(cache, *nodes, taps=taps, kernels=config.kernels)
     logits, k, v = out[:3]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = verify(verify_key, tree.tokens, tree.parents, logits, tree.draft_probs, **sampling)
@@ -381,7 +384,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     draft_out = s.rows.draft
     if draft is not None:
         features = pick(out[3]) if draft.uses_taps else None
-        new = draft.extend(embed, emitted, features, count, draft_out.cache)
+        new = draft.extend(embed, emitted, features, count, draft_out.cache, kernels=config.kernels)
         keep = (count > 0)[:, None]
         draft_out = DraftOut(
             jnp.where(keep, new.logits, draft_out.logits),
@@ -496,7 +499,14 @@ def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> 
         parent_hidden = jnp.take_along_axis(carry.hidden, slot, axis=1)
         parent = jnp.where(frontier.parent_slot >= 0, carry.previous + frontier.parent_slot, -1)
         logits, hidden, k, v, anchor = draft.tree_step(
-            embed, frontier.tokens, parent_hidden, frontier.depth, parent, root.cache, carry.tree
+            embed,
+            frontier.tokens,
+            parent_hidden,
+            frontier.depth,
+            parent,
+            root.cache,
+            carry.tree,
+            kernels=config.kernels,
         )
         tree = carry.tree.add(k, v, anchor, parent, carry.offset)
         offset = carry.offset + frontier.tokens.shape[1]

@@ -1,0 +1,220 @@
+"""The KV cache of rollouts and the attention of rollout queries against it.
+
+`KVCache` holds one document per row in static-shape slots, heads-major per layer; prefill and
+decode write it layer by layer in place (`CacheWriter`), verification appends the accepted nodes
+(`KVCache.append`); `TreeKV` holds the nodes of a tree expansion's earlier steps. Rollout queries
+attend to a layer of the cache through `rollout_attention`, on the kernels of a `KernelConfig`
+(a static choice of `RolloutConfig.kernels`).
+
+Shape suffixes: B batch, T tokens, N new tokens or nodes, C earlier nodes, S cache slots, L layers,
+K key/value heads, E head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from jspec import mesh as mesh_lib
+from jspec.attention import Branch, attention
+from jspec.attention.decode import DecodeOptions
+from jspec.attention.zigzag import concrete
+from jspec.config import KernelConfig
+
+KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
+
+
+class KVCache(NamedTuple):
+    """Static-shape KV cache (a pytree), one document per row.
+
+    Slot i of row b holds the token at position i; slots at or past `length[b]` carry segment 0, so
+    attention never sees them, whatever their K/V. `overflowed[b]` marks a row that was asked to
+    hold more tokens than it has slots (only possible under `jit`, where the lengths are not
+    known before running): its extra tokens were dropped and its results must not be used.
+    """
+
+    # One array per layer, heads-major [B,Hkv,S,E]: the layout decode attention reads (`decode`),
+    # and no layer is sliced out of a stack (a copy of it whenever a kernel reads it).
+    k: tuple[Float[Array, "b kv s e"], ...]
+    v: tuple[Float[Array, "b kv s e"], ...]
+    segment_ids: Int[Array, "b s"]
+    positions: Int[Array, "b s"]
+    length: Int[Array, " b"]
+    overflowed: Bool[Array, " b"]
+
+    def slots(self, count: Int[Array, " b"], n: int) -> Int[Array, "b n"]:
+        """Where the first `count[b]` of n new tokens of row b go (the slot count `s` = dropped).
+
+        Raises if the values are concrete and some row has no room for its tokens.
+        """
+        b, s = self.segment_ids.shape
+        if concrete(self.length, count):
+            over = np.flatnonzero(np.asarray(self.length) + np.asarray(count) > s)
+            if over.size:
+                r = int(over[0])
+                raise ValueError(
+                    f"row {r} of the KV cache holds {int(self.length[r])} of {s} slots and cannot "
+                    f"take {int(count[r])} more tokens; make the cache longer (init_cache max_len) "
+                    "or write fewer tokens."
+                )
+        j = jnp.arange(n, dtype=jnp.int32)
+        return jnp.where(j < count[:, None], self.length[:, None] + j, s)
+
+    def append(self, k: KV, v: KV, count: Int[Array, " b"]) -> KVCache:
+        """Writes the first `count[b]` of the N new tokens of row b at slots `length[b]` onwards.
+
+        Accepted draft paths grow the cache through here; prefill and decode write layer by layer
+        with `slots` and `with_tokens`.
+        """
+        slot_BN = self.slots(count, k.shape[2])
+        write = lambda layers, new: tuple(
+            map(functools.partial(write_kv, slot_BN=slot_BN), layers, new)
+        )
+        return self.with_tokens(slot_BN, count)._replace(k=write(self.k, k), v=write(self.v, v))
+
+    def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
+        """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they
+        were); a row whose tokens do not all fit is marked `overflowed`."""
+        b, s = self.segment_ids.shape
+        put = lambda a, x: a.at[jnp.arange(b)[:, None], slot_BN].set(x, mode="drop")
+        wanted = self.length + count.astype(jnp.int32)
+        return self._replace(
+            segment_ids=put(self.segment_ids, 1),
+            positions=put(self.positions, slot_BN),
+            length=jnp.minimum(wanted, s),
+            overflowed=self.overflowed | (wanted > s),
+        )
+
+
+def write_kv(cache_kv: Array, new_kv: Array, slot_BN: Int[Array, "b n"]) -> Array:
+    """Writes a layer's new K or V [B,N,K,E] at the slots of each row of its cache [B,K,S,E] (in
+    place under `jit` when the cache is donated or carried). Slots past the end are dropped."""
+    rows = jnp.arange(slot_BN.shape[0])[:, None, None]
+    heads = jnp.arange(cache_kv.shape[1])[None, :, None]
+    new = jnp.swapaxes(new_kv, 1, 2).astype(cache_kv.dtype)  # [B, K, N, E]
+    return cache_kv.at[rows, heads, slot_BN[:, None, :]].set(new, mode="drop")
+
+
+class CacheWriter:
+    """Attention of T new tokens per row that continue the cache's documents: each layer writes the
+    tokens' K/V into its cache (in place) and the tokens attend to it, on `kernels`.
+
+    `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        count: Int[Array, " b"],
+        t: int,
+        mesh: Mesh | None = None,
+        kernels: KernelConfig | None = None,
+    ):
+        self.mesh, self.kernels = mesh, kernels
+        j = jnp.arange(t, dtype=jnp.int32)
+        self.q_positions = cache.length[:, None] + j
+        self.q_segment_ids = (j < count[:, None]).astype(jnp.int32)
+        self.slot_BT = cache.slots(count, t)
+        self.cache = cache.with_tokens(self.slot_BT, count)
+
+    def attend(self, i: int, q, k, v):
+        c = self.cache
+        k_i, v_i = write_kv(c.k[i], k, self.slot_BT), write_kv(c.v[i], v, self.slot_BT)
+        put = lambda layers, x: (*layers[:i], x, *layers[i + 1 :])
+        self.cache = c._replace(k=put(c.k, k_i), v=put(c.v, v_i))
+        ids = dict(q_segment_ids=self.q_segment_ids, q_positions=self.q_positions)
+        return rollout_attention(
+            self.mesh, self.kernels, q, k_i, v_i, c.segment_ids, c.positions, **ids
+        )
+
+
+def cache_attention(
+    cache: KVCache,
+    layer: int,
+    branch: Branch,
+    mesh: Mesh | None = None,
+    kernels: KernelConfig | None = None,
+):
+    """Branch nodes (verification, draft trees) against one layer of the cache, on `kernels`."""
+    k, v, seg, pos = cache.k[layer], cache.v[layer], cache.segment_ids, cache.positions
+    return rollout_attention(mesh, kernels, None, k, v, seg, pos, branch=branch)[1]
+
+
+def rollout_attention(
+    mesh: Mesh | None, kernels: KernelConfig | None, q, k, v, segment_ids, positions, **kw
+):
+    """`attention` of rollout queries q [B,T,H,E] (or None, with a `branch`) against a layer's
+    cache [B,Hkv,S,E], on `kernels` (None: `KernelConfig()`): up to `kernels.few_queries` queries
+    per row the few-query path (`impl="decode"`, its cache part on `kernels.decode_backend`), the
+    block kernels beyond. On a mesh of several devices it runs inside `shard_map`, rows and heads
+    split as `jspec.mesh.RULES` places them (every row and KV head is independent): a Pallas
+    kernel has no SPMD partitioning rule, so XLA would gather its inputs to every device."""
+    kernels = kernels or KernelConfig()
+    queries = (q if q is not None else kw["branch"].q).shape[1]
+    impl = "decode" if queries <= kernels.few_queries else "auto"
+    options = DecodeOptions(backend=kernels.decode_backend)
+    call = lambda q, k, v, seg, pos, kw: attention(
+        q, k, v, seg, pos, impl=impl, heads_major=True, decode_options=options, **kw
+    )
+    if mesh is None or mesh.size == 1 or k.shape[0] % mesh_lib.axis_size(mesh, "decode_batch"):
+        return call(q, k, v, segment_ids, positions, kw)  # (rows that do not split: unsharded)
+    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
+    ids, q_spec, cache_spec = P(rows, None), P(rows, None, heads, None), P(rows, kv, None, None)
+    kw_specs = {name: ids for name in kw if name != "branch"}
+    if "branch" in kw:
+        kw_specs["branch"] = jax.tree.map(
+            lambda x: q_spec if x.ndim == 4 else ids, kw["branch"]
+        )._replace(k=P(rows, None, kv, None), v=P(rows, None, kv, None))
+    specs = (None if q is None else q_spec, cache_spec, cache_spec, ids, ids, kw_specs)
+    out_specs = q_spec if "branch" not in kw else (None if q is None else q_spec, q_spec)
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(
+        q, k, v, segment_ids, positions, kw
+    )
+
+
+def last_valid(x_BTD: Array, count: Int[Array, " b"]) -> Array:
+    """x at each row's last valid token [B,D]; NaN for a row with none."""
+    last = jnp.take_along_axis(x_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return jnp.where(count[:, None] >= 1, last, jnp.nan)
+
+
+class TreeKV(NamedTuple):
+    """Branch nodes computed at earlier steps of a tree expansion, which later nodes may have as
+    ancestors: their K/V per layer, anchors (-1: not filled yet) and parents (indices into these
+    C nodes). A fixed capacity C, so one expansion step keeps one shape at every depth."""
+
+    k: Float[Array, "l b c kv e"]
+    v: Float[Array, "l b c kv e"]
+    anchor: Int[Array, "b c"]
+    parent: Int[Array, "b c"]
+
+    @classmethod
+    def empty(cls, num_layers, batch, capacity, num_kv_heads, head_dim, dtype) -> TreeKV:
+        kv = jnp.zeros((num_layers, batch, capacity, num_kv_heads, head_dim), dtype)
+        ids = jnp.full((batch, capacity), -1, jnp.int32)
+        return cls(kv, kv, ids, ids)
+
+    def branch(self, i: int, q, k, v, anchor, parent) -> Branch:
+        """The `Branch` of N new nodes (q, k, v [B,N,.,E]; `parent` indexes these C nodes followed
+        by the N new ones) with the earlier nodes of layer i as possible ancestors."""
+        c, n = self.anchor.shape[1], q.shape[1]
+        cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1)
+        keys, values = cat(self.k[i], k), cat(self.v[i], v)
+        anchors, parents = cat(self.anchor, anchor), cat(self.parent, parent)
+        query_nodes = jnp.broadcast_to(c + jnp.arange(n, dtype=jnp.int32), anchor.shape)
+        return Branch(q, keys, values, anchors, parents, query_nodes=query_nodes)
+
+    def add(self, k: KV, v: KV, anchor, parent, offset) -> TreeKV:
+        """Stores N new nodes at indices offset .. offset + N - 1."""
+        at = lambda a, x, axis: jax.lax.dynamic_update_slice_in_dim(
+            a, x.astype(a.dtype), offset, axis
+        )
+        kv = (at(self.k, k, 2), at(self.v, v, 2))
+        return TreeKV(*kv, at(self.anchor, anchor, 1), at(self.parent, parent, 1))

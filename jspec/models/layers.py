@@ -1,0 +1,140 @@
+"""The pieces of a decoder layer, shared by the decoder (`jspec.models.transformer`) and the
+EAGLE-3 draft (`jspec.models.draft`): parameters with logical axis names, RMSNorm, rotary
+embeddings, the attention sublayer, the SwiGLU MLP, and what rollouts change in them (the input
+products fused, the weights cast once before a loop of steps).
+
+Shape suffixes: B batch, T tokens, D hidden, H query heads, K key/value heads, G query heads per KV
+head, E head dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+
+from jspec.config import ModelConfig
+
+
+def init_param(rngs: nnx.Rngs | None, shape, axes, dtype, fan_in: int | None) -> nnx.Param:
+    """A parameter with its logical axis names; fan_in None means ones (a norm weight)."""
+    if fan_in is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm over the last axis in float32, rounded back before the weight (as Hugging Face)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [E/2] (float32), with Llama-3 frequency-dependent scaling if set."""
+    e = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, e, 2, dtype=np.float32) / e))
+    s = config.rope_scaling
+    if s is None:
+        return inv.astype(np.float32)
+    wavelen = 2 * np.pi / inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(config: ModelConfig, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
+    """(cos, sin) [B,T,1,E] for `apply_rope`, computed once per forward for all layers: cos of
+    each half's angles, and sin with the first half negated (the sign `rotate_half` gives)."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+
+
+def apply_rope(x_BTHE: Array, cos_sin: tuple[Array, Array]) -> Array:
+    """Rotary embedding in the split-half layout of Hugging Face Llama/Qwen (`rotate_half`):
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]. The halves are swapped by reversing an axis
+    of length 2, an index map that fuses with the arithmetic: on the GPU a concatenate of the
+    halves can run as a kernel of its own (`wrapped_concatenate`) in every layer."""
+    cos, sin = cos_sin
+    x = x_BTHE.astype(jnp.float32)
+    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)  # [x2, x1]
+    return (x * cos + swapped * sin).astype(x_BTHE.dtype)
+
+
+def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None = "embed"):
+    """`layer` (a copy, changed in place) with wq, wk, wv replaced by w_qkv [D, K, G+2, E] (each KV
+    head's G query heads, then its k and v; `project_qkv` reads it) and, with `mlp`, w_gate and
+    w_up by w_gate_up [D, 2, F] (`swiglu` reads it). `constrain(x, logical axis names)` places
+    them; `input_axis` names the q/k/v products' input axis."""
+    wq_DHE, wk_DKE, wv_DKE = layer.wq[...], layer.wk[...], layer.wv[...]
+    d, h, e = wq_DHE.shape
+    k = wk_DKE.shape[1]
+    q_DKGE = wq_DHE.reshape(d, k, h // k, e)
+    qkv = jnp.concatenate([q_DKGE, wk_DKE[:, :, None], wv_DKE[:, :, None]], axis=2)
+    layer.w_qkv = nnx.Param(constrain(qkv, (input_axis, "kv_heads", None, "head_dim")))
+    layer.wq = layer.wk = layer.wv = None
+    if mlp:
+        gate_up = jnp.stack([layer.w_gate[...], layer.w_up[...]], axis=1)
+        layer.w_gate_up = nnx.Param(constrain(gate_up, ("embed", None, "mlp")))
+        layer.w_gate = layer.w_up = None
+    return layer
+
+
+def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
+    """Projections (`w_qkv`: see `project_qkv`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
+    output projection.
+
+    Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
+    attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
+    """
+    q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv)
+    if q_norm is not None:
+        q_BTHE = rms_norm(q_BTHE, q_norm, eps)
+        k_BTKE = rms_norm(k_BTKE, k_norm, eps)
+    q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
+    o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
+    return jnp.einsum("bthe,hed->btd", o_BTHE, wo), (k_BTKE, v_BTKE)
+
+
+def project_qkv(h_BTD, w_qkv):
+    """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
+    fused [D, K, G+2, E] (`fuse_products`), query head h = KV head h // G."""
+    if isinstance(w_qkv, tuple):
+        wq, wk, wv = w_qkv
+        q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, wq)
+        return q_BTHE, *(jnp.einsum("btd,dke->btke", h_BTD, w) for w in (wk, wv))
+    qkv = jnp.einsum("btd,dkne->btkne", h_BTD, w_qkv)
+    b, t, k, n, e = qkv.shape
+    return qkv[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qkv[:, :, :, -2], qkv[:, :, :, -1]
+
+
+def swiglu(h_BTD, w_in, w_down):
+    """The SwiGLU MLP of Llama and Qwen; `w_in` is (w_gate, w_up) [D,F], or the two stacked
+    [D, 2, F] (`fuse_products`)."""
+    if isinstance(w_in, tuple):
+        g_BTF, u_BTF = (jnp.einsum("btd,df->btf", h_BTD, w) for w in w_in)
+    else:
+        gu = jnp.einsum("btd,dcf->btcf", h_BTD, w_in)
+        g_BTF, u_BTF = gu[:, :, 0], gu[:, :, 1]
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
+
+
+def rollout_weights(weights, dtype):
+    """`weights` (a pytree) with each floating-point array cast to the compute `dtype`, behind an
+    optimization barrier: a copy made once before a loop of rollout steps, which XLA would
+    otherwise fuse back into the loop and redo at every step. Every weight is cast to the compute
+    dtype where it is used, so the copy computes exactly what the weights do."""
+    dtype = jnp.dtype(dtype)
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.lax.optimization_barrier(jax.tree.map(cast, weights))

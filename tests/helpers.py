@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.scipy.special import gammaincc
 
-from jspec.jobs import train_rl
+from jspec.jobs import train_rl, trainer
 
 
 def close(got, want, rtol=1e-5):
@@ -121,19 +121,24 @@ def random_rollouts(rows: int, prompt_len: int, new: int, vocab: int, seed: int 
 
 # The RL demo loop (jspec/jobs/train_rl.py) at test size.
 
-LOOP = [
-    "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
-    "rl.task.name=sorting", "rl.task.difficulty=1", "rollout.max_new_tokens=6",
-    "rl.prompts=8", "rl.group_size=8", "rl.sequences_per_row=2", "rl.sft_batch=16",
-    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1", "rl.learning_rate=2e-4",
-]  # fmt: skip
+LOOP = (
+    "model.hidden_size=32 model.num_layers=3 model.head_dim=8 model.intermediate_size=64 "
+    "rl.task.name=sorting rl.task.difficulty=1 rollout.max_new_tokens=6 "
+    "rl.prompts=8 rl.group_size=8 rl.sequences_per_row=2 rl.sft_batch=16 "
+    "rl.ttt_steps=1 rl.loss_chunk=16 rl.save_every=1 rl.learning_rate=2e-4"
+).split()
 COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
 
 
 def loop(run_dir, cache, *extra) -> list[dict]:
-    """The metrics of a `train_rl` run of LOOP and `extra` (overrides and flags) in `run_dir`."""
+    """The metrics of a `train_rl` run of LOOP and `extra` (overrides and flags) in `run_dir`,
+    finished or stopped at a limit (`--stop-after-steps N`: its exit status is EXIT_RESUME)."""
     args = [*LOOP, *extra, "--run-dir", str(run_dir), "--compilation-cache", cache, "--quiet"]
-    train_rl.main(args)
+    try:
+        train_rl.main(args)
+    except SystemExit as stop:  # only at the limit it was given
+        if stop.code != trainer.EXIT_RESUME or "--stop-after-steps" not in extra:
+            raise
     lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 

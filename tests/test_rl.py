@@ -35,10 +35,9 @@ from jspec.rl.draft_loss import draft_loss, draft_passes
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_loss, make_train_step
 
-MODEL = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=64, max_seq_len=128,
-)  # fmt: skip
+MODEL = ModelConfig(  # 4 heads, 2 of keys and values: the defaults
+    vocab_size=64, hidden_size=32, num_layers=3, head_dim=8, intermediate_size=64, max_seq_len=128
+)
 RL = RLConfig(prompts=2, group_size=4, sequences_per_row=4, ttt_steps=1, loss_chunk=16)
 ROLLOUT = RolloutConfig(temperature=0.7, eos_id=1)
 
@@ -66,9 +65,13 @@ def test_training_time_test_passes_are_the_draft_at_inference():
     passes = jax.jit(draft_passes, static_argnums=6)(draft, embed, taps, tokens, seg, pos, 2)
     t = 5
     root = draft.prefill(
-        embed, tokens[:, : t + 1], jnp.array([t + 1]), tokens[:, t + 1], taps[:, :, : t + 1],
+        embed,
+        tokens[:, : t + 1],
+        jnp.array([t + 1]),
+        tokens[:, t + 1],
+        taps[:, :, : t + 1],
         draft.init_cache(1, 16),
-    )  # fmt: skip
+    )
     close(root.hidden[0], passes[0][0, t])
     tree, hidden, parent = draft.empty_tree(1, 2), root.hidden[:, None], jnp.array([[-1]])
     for depth in (1, 2):
@@ -139,11 +142,9 @@ def test_draft_adds_only_its_own_dot_operations():
 
     def own(draft_params, embed, taps, logits):
         draft = nets.draft.merge(draft_params)
-        return draft_loss(
-            draft, embed, taps, logits, batch.tokens, batch.segment_ids, batch.positions,
-            batch.response, steps=rl.ttt_steps, decay=rl.ttt_decay,
-            temperature=ROLLOUT.temperature, chunk=rl.loss_chunk,
-        ).loss  # fmt: skip
+        rows = (batch.tokens, batch.segment_ids, batch.positions, batch.response)
+        ttt = dict(steps=rl.ttt_steps, decay=rl.ttt_decay, temperature=ROLLOUT.temperature)
+        return draft_loss(draft, embed, taps, logits, *rows, **ttt, chunk=rl.loss_chunk).loss
 
     jaxpr = jax.make_jaxpr(jax.grad(own))(params["draft"], policy.embed[...], taps, logits)
     draft_dots = count_dots(jaxpr)
@@ -172,7 +173,9 @@ def test_grpo_steps_raise_the_better_completions_and_lower_the_worse(tmp_path, c
 def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, capsys):
     short = ("rl.steps=4", "rl.sft_steps=10")
     full = loop(tmp_path / "full", cache, *short)
-    loop(tmp_path / "killed", cache, *short, "--stop-after", "3")
+    loop(tmp_path / "killed", cache, *short, "--stop-after-steps", "3")
+    stopped = "stopped at the step limit (--stop-after-steps 3) after step 3, saved in "
+    assert stopped in capsys.readouterr().err
     ckpts = tmp_path / "killed" / "checkpoints"
     # Killed during the async save of step 4: a partial directory orbax never committed. And the
     # latest committed checkpoint (3) corrupt: its arrays are gone.
@@ -214,11 +217,14 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
     """rl.tree_costs: the rollouts verify the chain where its measured cost pays for its accepted
     length, and decode plainly (no draft: accepted length 1) where it does not."""
     chain = TreeConfig(kind="chain", depth=4)  # the demo's own tree: its programs are compiled
-    row = lambda b: {"batch": b, "speculative": {"chain 4": {"step_in_decode_steps": cost,
-                                                             "accepted_length": 2.0}}}  # fmt: skip
+    row = lambda b: {
+        "batch": b,
+        "speculative": {"chain 4": {"step_in_decode_steps": cost, "accepted_length": 2.0}},
+    }
     costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"trees": {"chain 4": dataclasses.asdict(chain)},
-                                 "rows": [row(1), row(256)]}))  # fmt: skip
+    costs.write_text(
+        json.dumps({"trees": {"chain 4": dataclasses.asdict(chain)}, "rows": [row(1), row(256)]})
+    )
     rows = loop(tmp_path / "run", cache, "rl.steps=2", "rl.sft_steps=5", f"rl.tree_costs={costs}")
     assert [r["tree"] for r in rows] == [tree, tree]
     if tree == "plain":

@@ -1,6 +1,6 @@
 """A run a person can trust: checkpoints that heal after corruption, a resume that names what
-changed, and bad input answered in a line or two with exit status 2 (the table of
-docs/errors.md, run row by row)."""
+changed, a time limit that saves and exits 75, and bad input answered in a line or two with exit
+status 2 (the table of docs/errors.md, run row by row)."""
 
 import os
 import pathlib
@@ -13,7 +13,7 @@ import sys
 import pytest
 from helpers import LOOP
 
-from jspec.jobs import cli, train_rl
+from jspec.jobs import cli, train_rl, trainer
 
 ERRORS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 QUIET = ["--quiet"]
@@ -95,6 +95,23 @@ def test_a_resume_names_what_changed(finished, tmp_path, capfd):
     assert "resuming with a changed config: rl.learning_rate: 0.0002 -> 0.001" in (
         capfd.readouterr().err
     )
+
+
+def test_a_time_limit_saves_the_step_and_exits_75(finished, tmp_path, capfd):
+    """--stop-after MINUTES, as in train_code_lm: past the limit (0: after the first step) the
+    step is saved, a line says so, and the status is 75; the same command resumes."""
+    source, args = finished
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    capfd.readouterr()
+    argv = [*args, "rl.steps=5", *QUIET, "--stop-after", "0", "--run-dir", str(run)]
+    with pytest.raises(SystemExit) as stop:
+        cli.run(train_rl.main, argv)
+    assert stop.value.code == trainer.EXIT_RESUME
+    err = capfd.readouterr().err
+    assert "stopped at the time limit after step 4, saved in " in err, err
+    assert err.rstrip().endswith("; run the same command to resume"), err
+    assert steps(run) == [2, 3, 4]
 
 
 def table_rows() -> list[tuple[str, str, str]]:

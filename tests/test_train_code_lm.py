@@ -1,26 +1,31 @@
 """`jspec/jobs/train_code_lm.py` at toy size, its batch split over two devices: a run that stops
 at its time limit or dies in the middle of a stage resumes from its newest step checkpoint and
-ends where the uninterrupted run ends."""
+ends where the uninterrupted run ends, its metrics too; a stage's checkpoint that does not restore
+is set aside, and one written with other flags is refused unless allowed (`jspec.jobs.trainer`,
+as train_rl's)."""
 
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jspec import config as config_lib
 from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError
-from jspec.jobs import train_code_lm
+from jspec.jobs import train_code_lm, trainer
 from jspec.models import hf_eagle3
 
-ARGS = [
-    "--config", "tiny", "model.vocab_size=512", "--steps", "4", "--draft-steps", "4",
-    "--batch", "2", "--seq-len", "64", "--max-bytes", "1000000", "--eval-batches", "1",
-    "--save-minutes", "0", "--heldout", "4", "--data-parallel", "2",
-]  # fmt: skip
+ARGS = (
+    "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
+    "--max-bytes 1000000 --eval-batches 1 --save-minutes 0 --heldout 4 --data-parallel 2"
+).split()
 
 
 class Died(Exception):
@@ -36,9 +41,11 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     args = [*ARGS, "--run-dir", str(killed)]
     stopped = subprocess.run(
         [sys.executable, "-m", "jspec.jobs.train_code_lm", *args, "--stop-after", "0"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert stopped.returncode == train_code_lm.EXIT_RESUME, stopped.stderr[-2000:]
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert stopped.returncode == trainer.EXIT_RESUME, stopped.stderr[-2000:]
     assert "target: stopped at the time limit after step 1" in stopped.stdout
 
     sampler, calls = train_code_lm.sampler, []
@@ -60,19 +67,24 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     with pytest.raises(Died):
         train_code_lm.main(args)
     assert calls[:1] == [1], calls  # the target resumed after the stopped run's step
-    assert (killed / "target").is_dir() and (killed / "draft.steps").is_dir()
+    assert (killed / "target").is_dir() and (killed / "training/draft/checkpoints/3").is_dir()
     die, calls[:] = False, []
     train_code_lm.main(args)
     assert calls[:1] == [3], calls  # the target loaded, the draft resumed after its step 3
-    assert not (killed / "draft.steps").exists()
+    assert not (killed / "training/draft/checkpoints").exists()
+    metrics = lambda run, stage: (run / "training" / stage / "metrics.jsonl").read_text()
+    for stage in ("target", "draft"):  # one line a step, as the uninterrupted run's
+        assert [json.loads(r)["step"] for r in metrics(killed, stage).splitlines()] == [0, 1, 2, 3]
+        assert metrics(killed, stage) == metrics(whole, stage), stage
 
     load = lambda run: jax.tree.leaves(hf_eagle3.load(run / "draft")[0])
     for a, b in zip(load(whole), load(killed), strict=True):
         np.testing.assert_array_equal(a, b)
 
     # the run as `bench_rollout --trained --check-greedy` reads it: float32 models, held-out prompts
-    bench = argparse.Namespace(trained=whole, prompt_len=16, batches=[1], prompts_per_row=1,
-                               acceptance_rows=2)  # fmt: skip
+    bench = argparse.Namespace(
+        trained=whole, prompt_len=16, batches=[1], prompts_per_row=1, acceptance_rows=2
+    )
     target, draft, prompts = bench_rollout.trained(bench, dtype="float32")
     params = lambda model: jax.tree.leaves(nnx.state(model, nnx.Param))
     assert {w.dtype for w in params(target) + params(draft)} == {np.dtype("float32")}
@@ -83,3 +95,43 @@ def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--data-parallel=3 .* --batch=2"):
         train_code_lm.main([*ARGS, "--data-parallel", "3", "--run-dir", str(tmp_path)])
     assert not any(tmp_path.iterdir())  # nothing read or written before the error
+
+
+def test_a_stage_checkpoint_heals_is_checked_against_the_flags_and_stops(tmp_path, capsys):
+    """A stage's checkpoints are train_rl's: one that does not restore is moved to corrupt/ with a
+    line; a resume with another --steps (its schedule) is refused unless --allow-config-change;
+    at --stop-after-steps the step is saved and the run exits 75 with a line."""
+    model = config_lib.load("tiny", ["model.vocab_size=512"]).model
+
+    def loop(*flags):
+        args = train_code_lm.parse_args([*ARGS, *flags, "--run-dir", str(tmp_path)])
+        target = train_code_lm.stages(args, mesh=None)[0]
+        return train_code_lm.stage_loop(
+            tmp_path, args, model, target, trainer.Limits.from_args(args)
+        )
+
+    state = {"w": jnp.arange(4.0)}
+    with loop() as first:
+        first.save(2, state)
+    stage = tmp_path / "training" / "target"
+    shutil.rmtree(stage / "checkpoints" / "2" / "state")
+    with loop() as second, pytest.raises(ConfigError, match="none of the 1 checkpoints"):
+        second.resume(lambda: state)
+    assert "target: checkpoint step 2 does not restore" in capsys.readouterr().out
+    assert (stage / "corrupt" / "2").is_dir()
+    with loop() as third:
+        assert third.resume(lambda: state) is None
+        third.save(2, state)
+    with pytest.raises(ConfigError, match=r"flags.steps: 4 -> 5; with a changed value"):
+        loop("--steps", "5")
+    flags = ("--steps", "5", "--allow-config-change", "--stop-after-steps", "1")
+    with pytest.raises(SystemExit) as stop, trainer.resumable(print), loop(*flags) as allowed:
+        restored, done = allowed.resume(lambda: state)
+        assert done == 2 and np.array_equal(restored["w"], state["w"])
+        allowed.step_done(3, restored, {"loss": jnp.float32(1.5)})
+    out = capsys.readouterr().out
+    assert "resuming with a changed config: flags.steps: 4 -> 5" in out
+    assert stop.value.code == trainer.EXIT_RESUME
+    assert "target: stopped at the step limit (--stop-after-steps 1) after step 3, saved in" in out
+    assert sorted(p.name for p in (stage / "checkpoints").iterdir()) == ["3"]
+    assert json.loads((stage / "metrics.jsonl").read_text()) == {"step": 2, "loss": 1.5}

@@ -12,10 +12,14 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
-stage checkpoints every `--save-minutes`: a run that dies resumes from the newest checkpoint
-of the stage it was in (a finished stage is loaded, not trained again). Under a time limit (a
-job's, a lent machine's), `--stop-after MINUTES` saves the stage's step at that time and exits with
-status 75; the same command resumes.
+stage trains through `jspec.jobs.trainer` (as train_rl does) in `RUN_DIR/training/<stage>/`:
+checkpoints/ every `--save-minutes` (a run that dies resumes from the newest checkpoint of the
+stage it was in; one that does not restore is moved to corrupt/ there; a finished stage is loaded,
+not trained again; the stage's flags and the corpus's are checked on resume, as train_rl checks its
+config, `--allow-config-change` lets a change through) and metrics.jsonl (loss, and the draft's
+agreement, each step). Under a time limit (a job's, a lent machine's), `--stop-after MINUTES`
+saves the stage's step at that time and exits with status 75, as `--stop-after-steps N` does after
+N steps of the run; the same command resumes.
 `python -m jspec.bench.rollout --trained RUN_DIR` then measures plain and speculative
 decoding on prompts from the held-out files.
 
@@ -27,6 +31,8 @@ decoding on prompts from the held-out files.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -35,22 +41,24 @@ import sys
 import sysconfig
 import time
 import zlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, MeshConfig
-from jspec.jobs import cli
+from jspec.jobs import cli, trainer
 from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.rl.draft_loss import draft_loss
+from jspec.rl.state import Group, adamw
 
 EOS = "<eos>"
 
@@ -60,8 +68,11 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--config", default="code-1b")
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--roots", nargs="*", help="folders of .py files (default: the stdlib and "
-                   "site-packages of this Python)")  # fmt: skip
+    p.add_argument(
+        "--roots",
+        nargs="*",
+        help="folders of .py files (default: the stdlib and site-packages of this Python)",
+    )
     p.add_argument("--max-bytes", type=int, default=200_000_000, help="corpus size cap")
     p.add_argument("--heldout", type=int, default=20, help="one file in N is held out")
     p.add_argument("--steps", type=int, default=600)
@@ -85,13 +96,7 @@ def parse_args(argv=None):
         help="minutes between checkpoints of a stage in training (a run that dies resumes from "
         "the newest; a save of the 1.4B target and its optimizer state writes about 17 GB)",
     )
-    p.add_argument(
-        "--stop-after",
-        type=float,
-        metavar="MINUTES",
-        help="a time limit: once this many minutes have passed, the stage in training saves its "
-        f"step and the run exits with status {EXIT_RESUME}; the same command resumes it",
-    )
+    trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
     return p.parse_args(argv)
 
 
@@ -170,8 +175,8 @@ def rows(stream, doc, starts: np.ndarray, t: int, mesh) -> dict[str, jax.Array]:
     idx = starts[:, None] + np.arange(t)
     d = doc[idx]
     seg = d - d[:, :1] + 1
-    first = np.maximum.accumulate(np.where(np.diff(d, prepend=-1, axis=1) != 0, np.arange(t), 0),
-                                  axis=1)  # fmt: skip
+    starts_file = np.diff(d, prepend=-1, axis=1) != 0
+    first = np.maximum.accumulate(np.where(starts_file, np.arange(t), 0), axis=1)
     batch = dict(tokens=stream[idx], segment_ids=seg, positions=np.arange(t) - first)
     placed = mesh_lib.sharding(mesh, ("batch", None))
     return {k: jax.device_put(v.astype(np.int32), placed) for k, v in batch.items()}
@@ -189,79 +194,63 @@ def next_token_loss(logits, tokens, segment_ids) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(jnp.where(same, nll, 0.0)), jnp.sum(same)
 
 
-def adamw(learning_rate: float, steps: int):
-    warmup = max(steps // 20, 1)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, warmup, max(steps, warmup + 1)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage:
+    """A model's training: its name (its folder in the run directory), steps and learning rate,
+    its loss `(module, teacher, batch) -> (loss, metric)` and the metric's name in metrics.jsonl,
+    the flags its steps depend on besides `DATA_FLAGS` (checked on resume), and how the trained
+    module is saved (`save(path, module)`) and loaded (`load(path) -> module`)."""
+
+    name: str
+    steps: int
+    learning_rate: float
+    loss: Callable
+    metric: str
+    flags: tuple[str, ...]
+    save: Callable
+    load: Callable
+
+
+# The flags every stage's steps depend on: the corpus, the batches, the devices that split them.
+DATA_FLAGS = ("roots", "max_bytes", "heldout", "batch", "seq_len", "data_parallel")
+
+
+def stage_loop(run: pathlib.Path, args, model, stage: Stage, limits) -> trainer.TrainLoop:
+    """The checkpoints (every --save-minutes and at a limit, the newest kept) and metrics of
+    `stage` in `run`/training/<stage>, its config (model and flags) checked against theirs."""
+    flags = {k: getattr(args, k) for k in (*DATA_FLAGS, *stage.flags)}
+    return trainer.TrainLoop(
+        run / "training" / stage.name,
+        {"model": config_lib.to_dict(model), "flags": flags},
+        total=stage.steps,
+        limits=limits,
+        keep=1,
+        save_minutes=args.save_minutes,
+        save_last=False,  # the stage is saved whole instead
+        allow_changes=args.allow_config_change,
+        log=lambda msg: print(f"{stage.name}: {msg}", flush=True),
+        name=f"{stage.name}: ",
+        shaped_by=("model",),
+        safe_to_change=(),
     )
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
-EXIT_RESUME = 75  # the exit status of a run stopped by --stop-after (EX_TEMPFAIL: run it again)
-
-
-class OutOfTime(Exception):
-    """A stage stopped at the run's time limit, its newest step saved."""
-
-
-class StepSaves:
-    """Checkpoints of a stage in training (parameters, optimizer state, steps done) in
-    `directory`, one every `minutes` and one at the `deadline` (a `time.perf_counter()`; None:
-    none), the newest kept: batch i is the same in every run, so a run resumed after step n
-    continues as the run that died would have."""
-
-    def __init__(self, directory: pathlib.Path, minutes: float, deadline: float | None = None):
-        self.directory, self.seconds, self.deadline = directory.resolve(), 60 * minutes, deadline
-        options = ocp.CheckpointManagerOptions(max_to_keep=1)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
-        self.last = time.perf_counter()
-
-    def due(self) -> bool:
-        return time.perf_counter() - self.last >= self.seconds or self.out_of_time()
-
-    def out_of_time(self) -> bool:
-        return past(self.deadline)
-
-    def save(self, step: int, params, opt_state) -> None:
-        state = dict(params=params, opt_state=opt_state)
-        self.manager.save(step, args=ocp.args.StandardSave(state))
-        self.last = time.perf_counter()
-
-    def restore(self, params, opt_state):
-        """(params, opt_state, steps done) of the newest checkpoint, placed like the arguments;
-        None when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
-        template = dict(params=params, opt_state=opt_state)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        return state["params"], state["opt_state"], step
-
-    def remove(self) -> None:
-        """Drops the checkpoints once the stage is saved whole."""
-        self.manager.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def past(deadline: float | None) -> bool:
-    """Whether `deadline` (a `time.perf_counter()`; None: none) has passed."""
-    return deadline is not None and time.perf_counter() >= deadline
-
-
-def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, mesh,
-        teacher=None, saves: StepSaves | None = None):  # fmt: skip
-    """Trains the Params of `module` on `loss_fn(module, teacher, batch) -> (loss, metric)` over
-    the data-parallel `mesh`, the teacher (a module, or None) frozen, from the newest of `saves` if
-    any; returns the trained module."""
+def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=None):
+    """Trains the Params of `module` on `stage.loss` over the data-parallel `mesh`, the teacher
+    (a module, or None) frozen, from the newest checkpoint of `loop` if any; returns the trained
+    module. Batch i is the same in every run, so a run resumed after step n continues as the run
+    that died would have."""
+    name = stage.name
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    params = {name: params}  # the optimizer's one group
     teacher_def, teacher_state = nnx.split(teacher)
-    opt = adamw(learning_rate, steps)
+    group = Group(stage.learning_rate, 1.0, weight_decay=0.1, schedule_steps=stage.steps)
+    opt = adamw({name: group})
 
     @jax.jit  # the teacher's weights are an argument: as constants they would be compiled in
     def step(params, opt_state, teacher_state, batch):
         teacher = nnx.merge(teacher_def, teacher_state)
-        f = lambda p: loss_fn(nnx.merge(graphdef, p, rest), teacher, batch)
+        f = lambda p: stage.loss(nnx.merge(graphdef, p[name], rest), teacher, batch)
         (loss, metric), grads = jax.value_and_grad(f, has_aux=True)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metric
@@ -269,22 +258,22 @@ def fit(module, loss_fn, batches, steps: int, learning_rate: float, name: str, m
     # replicated, as the parameters are on the data-parallel mesh (the step count too, else born
     # on one device, and so restored there)
     opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, PartitionSpec()))
-    done, start = 0, time.perf_counter()
-    if saves is not None and (restored := saves.restore(params, opt_state)) is not None:
-        params, opt_state, done = restored
-        print(f"{name}: resumed after step {done} from {saves.directory}", flush=True)
-    for i in range(done, steps):
+    fresh = dict(params=params, opt_state=opt_state)
+    state, done = loop.resume(lambda: fresh) or (fresh, 0)
+    params, opt_state = state["params"], state["opt_state"]
+    start, every = time.perf_counter(), max(stage.steps // 20, 1)
+    for i in range(done, stage.steps):
         params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
-        if i % max(steps // 20, 1) == 0 or i == steps - 1:
-            print(f"{name} step {i:5d}  loss {float(loss):.4f}  {float(metric):.4f}  "
-                  f"{time.perf_counter() - start:7.1f} s", flush=True)  # fmt: skip
-        if saves is not None and i + 1 < steps and saves.due():
-            saves.save(i + 1, params, opt_state)
-            if saves.out_of_time():  # the process exits next: the (background) save first
-                saves.manager.wait_until_finished()
-                raise OutOfTime(f"{name}: stopped at the time limit after step {i + 1}, saved in "
-                                f"{saves.directory}")  # fmt: skip
-    return nnx.merge(graphdef, params, rest)
+        shown = i % every == 0 or i == stage.steps - 1
+        if shown:
+            print(
+                f"{name} step {i:5d}  loss {float(loss):.4f}  {float(metric):.4f}  "
+                f"{time.perf_counter() - start:7.1f} s",
+                flush=True,
+            )
+        state = dict(params=params, opt_state=opt_state)
+        loop.step_done(i + 1, state, {"loss": loss, stage.metric: metric}, flush=shown)
+    return nnx.merge(graphdef, params[name], rest)
 
 
 def target_loss(model, _, batch):
@@ -302,9 +291,19 @@ def draft_loss_fn(ttt_steps: int):
         logits, taps = target(tokens, seg, pos, taps=True)
         embed = target.embed[...].astype(taps.dtype)
         out = draft_loss(
-            draft, embed, taps, logits, tokens, seg, pos, seg != 0,
-            steps=ttt_steps, decay=0.8, temperature=1.0, chunk=512,
-        )  # fmt: skip
+            draft,
+            embed,
+            taps,
+            logits,
+            tokens,
+            seg,
+            pos,
+            seg != 0,
+            steps=ttt_steps,
+            decay=0.8,
+            temperature=1.0,
+            chunk=512,
+        )
         return out.loss, out.agreement
 
     return loss
@@ -334,22 +333,47 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stage(path: pathlib.Path, module, train, save, load, minutes: float, deadline):
-    """`module` with the weights of a finished stage at `path` (`load(path)`: a module); else
-    `train(saves)`, which checkpoints every `minutes` and at the `deadline` in `path`.steps (a run
-    that died or stopped resumes from the newest), saved whole to `path` by `save` (through a
-    temporary folder, so a partial save is never read)."""
+def stages(args, mesh) -> tuple[Stage, Stage]:
+    """The target's stage and the draft's."""
+    target = Stage(
+        "target",
+        args.steps,
+        args.learning_rate,
+        target_loss,
+        "loss",
+        ("steps", "learning_rate"),
+        hf.save,
+        lambda path: hf.load(path, mesh),
+    )
+    draft = Stage(
+        "draft",
+        args.draft_steps,
+        args.draft_learning_rate,
+        draft_loss_fn(args.ttt_steps),
+        "agreement",
+        ("draft_steps", "draft_learning_rate", "ttt_steps"),
+        hf_eagle3.save,
+        lambda path: hf_eagle3.load(path, mesh)[0],
+    )
+    return target, draft
+
+
+def run_stage(run: pathlib.Path, stage: Stage, module, batches, mesh, loop, teacher=None):
+    """`module` with the weights of the stage finished at `run`/<stage> (`stage.load`); else
+    trained by `fit` (which resumes from `loop`'s newest checkpoint) and saved whole there by
+    `stage.save` (through a temporary folder, so a partial save is never read), its checkpoints
+    then deleted."""
+    path = run / stage.name
     if path.is_dir():
-        nnx.update(module, nnx.state(load(path), nnx.Param))
-        print(f"{path.name}: the finished stage at {path}", flush=True)
+        nnx.update(module, nnx.state(stage.load(path), nnx.Param))
+        print(f"{stage.name}: the finished stage at {path}", flush=True)
         return module
-    saves = StepSaves(path.with_name(path.name + ".steps"), minutes, deadline)
-    module = train(saves)
+    module = fit(stage, module, batches, mesh, loop, teacher)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    save(partial, module)
+    stage.save(partial, module)
     partial.rename(path)
-    saves.remove()
+    loop.remove_checkpoints()
     return module
 
 
@@ -373,56 +397,81 @@ def data_mesh(devices: int, batch: int):
     return mesh_lib.make_mesh(MeshConfig(data=n), jax.devices()[:n])
 
 
+class Corpus(NamedTuple):
+    """The training and held-out token streams (ids, file of each id), the held-out texts and
+    the held-out bytes per token."""
+
+    train: tuple[np.ndarray, np.ndarray]
+    heldout: tuple[np.ndarray, np.ndarray]
+    heldout_texts: list[str]
+    bytes_per_token: float
+
+
+def read_corpus(args, vocab_size: int, run: pathlib.Path, limits: trainer.Limits) -> Corpus:
+    """The corpus of --roots split into training and held-out files, tokenized by the tokenizer
+    trained on the training files (`run`/tokenizer.json)."""
+    train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
+    tok = train_tokenizer(train_texts, vocab_size, run / "tokenizer.json")
+    train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
+    bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])
+    print(
+        f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
+        f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
+        f"{bytes_per_token:.2f} bytes a token) {limits.stamp()}",
+        flush=True,
+    )
+    return Corpus(train, heldout, heldout_texts, bytes_per_token)
+
+
+def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limits):
+    """(target, draft), each trained in its stage through `loops[stage]` (or loaded, the stage
+    finished)."""
+    target_stage, draft_stage = loops
+    batches = sampler(*corpus.train, args.seq_len, args.batch, seed=0, mesh=mesh)
+    target = create(cfg, mesh=mesh)
+    size = sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
+    print(f"target: {size:,} parameters", flush=True)
+    target = run_stage(run, target_stage, target, batches, mesh, loops[target_stage])
+    print(f"target trained {limits.stamp()}", flush=True)
+    limits.check(before="the draft's stage")  # the target's last step ended past a limit
+    draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
+    draft = run_stage(run, draft_stage, draft, batches, mesh, loops[draft_stage], target)
+    print(f"draft trained {limits.stamp()}", flush=True)
+    return target, draft
+
+
+def write_report(args, run: pathlib.Path, target, draft, corpus: Corpus, mesh) -> None:
+    """Held-out loss and agreement to report.json (and the terminal), the held-out files to
+    heldout.json."""
+    heldout_batches = sampler(*corpus.heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
+    report = evaluate(
+        target, draft, args.ttt_steps, heldout_batches, args.eval_batches, corpus.bytes_per_token
+    )
+    report.update(args=vars(args), config=args.config, eos_token=EOS)
+    print(json.dumps(report, indent=2), flush=True)
+    (run / "heldout.json").write_text(json.dumps(corpus.heldout_texts))
+    (run / "report.json").write_text(json.dumps(report, indent=2))
+
+
 def main(argv=None):
     args = parse_args(argv)
-    start = time.perf_counter()
-    at = lambda: f"[{time.perf_counter() - start:.0f} s into the run]"
-    deadline = None if args.stop_after is None else start + 60 * args.stop_after
+    limits = trainer.Limits.from_args(args)  # --stop-after counts from here
     cfg = config_lib.load(args.config, args.overrides).model
     mesh = data_mesh(args.data_parallel, args.batch)
     run = cli.run_directory(pathlib.Path(args.run_dir))
-    train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
-    tok = train_tokenizer(train_texts, cfg.vocab_size, run / "tokenizer.json")
-    train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
-    bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])
-    print(f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
-          f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
-          f"{bytes_per_token:.2f} bytes a token) {at()}", flush=True)  # fmt: skip
-    batches = sampler(*train, args.seq_len, args.batch, seed=0, mesh=mesh)
-    target = create(cfg, mesh=mesh)
-    print(f"target: {sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param))):,} "
-          "parameters", flush=True)  # fmt: skip
-    try:
-        target_trains = not (run / "target").is_dir()
-        target = stage(
-            run / "target", target,
-            lambda saves: fit(target, target_loss, batches, args.steps, args.learning_rate,
-                              "target", mesh, saves=saves),
-            hf.save, lambda path: hf.load(path, mesh), args.save_minutes, deadline,
-        )  # fmt: skip
-        print(f"target trained {at()}", flush=True)
-        if target_trains and past(deadline):  # its last step ended past the limit
-            raise OutOfTime("the time limit came before the draft's stage")
-        draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
-        draft = stage(
-            run / "draft", draft,
-            lambda saves: fit(draft, draft_loss_fn(args.ttt_steps), batches, args.draft_steps,
-                              args.draft_learning_rate, "draft", mesh, teacher=target,
-                              saves=saves),
-            hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0], args.save_minutes,
-            deadline,
-        )  # fmt: skip
-    except OutOfTime as stop:
-        print(f"{stop} {at()}; run the same command to resume", flush=True)
-        raise SystemExit(EXIT_RESUME) from None
-    print(f"draft trained {at()}", flush=True)
-    heldout_batches = sampler(*heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
-    report = evaluate(target, draft, args.ttt_steps, heldout_batches, args.eval_batches,
-                      bytes_per_token)  # fmt: skip
-    report.update(args=vars(args), config=args.config, eos_token=EOS)
-    print(json.dumps(report, indent=2), flush=True)
-    (run / "heldout.json").write_text(json.dumps(heldout_texts))
-    (run / "report.json").write_text(json.dumps(report, indent=2))
+    # {stage: its loop, None when finished}: the checkpoints' configs checked before anything
+    unfinished = lambda stage: not (run / stage.name).is_dir()
+    loops = {
+        s: stage_loop(run, args, cfg, s, limits) if unfinished(s) else None
+        for s in stages(args, mesh)
+    }
+    say = lambda msg: print(msg, flush=True)
+    with trainer.resumable(say), contextlib.ExitStack() as closing:
+        for loop in filter(None, loops.values()):
+            closing.enter_context(loop)
+        corpus = read_corpus(args, cfg.vocab_size, run, limits)
+        target, draft = train_models(args, cfg, run, mesh, corpus, loops, limits)
+    write_report(args, run, target, draft, corpus, mesh)
 
 
 if __name__ == "__main__":

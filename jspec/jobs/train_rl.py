@@ -25,15 +25,16 @@ Writes to --run-dir (default runs/<config>-<draft> in the working directory): me
 line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s,
 rollout / train / weight transfer / step time, the lag of the batch's weights in steps),
 TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
-steps, with the config beside). Run again to resume from the latest checkpoint.
-`jspec/jobs/plot_runs.py` draws several runs' metrics.
+steps and at the last, with the config beside; `jspec.jobs.trainer`, shared with train_code_lm).
+Run again to resume from the latest checkpoint. `--stop-after MINUTES` (a time limit) and
+`--stop-after-steps N` stop the run early with its step saved and exit status 75; the same command
+resumes it. `jspec/jobs/plot_runs.py` draws several runs' metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -49,12 +50,12 @@ from jspec import config as config_lib
 from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
-from jspec.jobs import cli
+from jspec.jobs import cli, trainer
 from jspec.models import create
 from jspec.models.draft_factory import from_config as draft_from_config
 from jspec.rl import grpo, packing, rollouts, tasks
 from jspec.rl.rollouts import Sampler
-from jspec.rl.state import Checkpoints, Networks, init_state, optimizer, trained_groups
+from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
 from jspec.sampler.decoding import decode_rows, row_shards
@@ -67,14 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
     p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
-    p.add_argument("--stop-after", type=int, default=None, help="stop after this many RL steps")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no progress lines")
-    p.add_argument(
-        "--allow-config-change",
-        action="store_true",
-        help="resume although the config differs from the checkpoint's in a field that changes "
-        "what the run computes (seed, task, learning rates, ...); the fields are listed",
-    )
+    trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
     p.add_argument(
         "--compilation-cache",
         default=str(pathlib.Path("runs") / ".jax_cache"),
@@ -205,9 +200,14 @@ class Run:
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
         step = make_train_step(
-            self.networks, tx, trained, self.rl, self.cfg.rollout,
-            objective=objective, num_sequences=num_sequences,
-        )  # fmt: skip
+            self.networks,
+            tx,
+            trained,
+            self.rl,
+            self.cfg.rollout,
+            objective=objective,
+            num_sequences=num_sequences,
+        )
         return tx, step
 
 
@@ -227,9 +227,13 @@ def warm_start(run: Run, log) -> dict:
         prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, batch, run.prompt_width)
         answers, answer_lengths = tasks.encode_answers(run.tokenizer, batch, width)
         packed = packing.pack(
-            prompts, prompt_lengths, answers, answer_lengths, per_row=rl.sequences_per_row,
+            prompts,
+            prompt_lengths,
+            answers,
+            answer_lengths,
+            per_row=rl.sequences_per_row,
             align=run.align,
-        )  # fmt: skip
+        )
         state, metrics = step(state, run.put(packed, mine.start, rl.sft_batch))
         if i % 25 == 0 or i == rl.sft_steps - 1:
             values = ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
@@ -281,9 +285,15 @@ def finish_rollout(run: Run, job: InFlight):
     rewards = np.asarray([tasks.reward(p, r) for p, r in zip(job.group, responses, strict=True)])
     advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
     packed = packing.pack(
-        job.prompts, job.prompt_lengths, tokens, lengths, logprobs, advantages,
-        per_row=rl.sequences_per_row, align=run.align,
-    )  # fmt: skip
+        job.prompts,
+        job.prompt_lengths,
+        tokens,
+        lengths,
+        logprobs,
+        advantages,
+        per_row=rl.sequences_per_row,
+        align=run.align,
+    )
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
@@ -305,33 +315,7 @@ def finish_rollout(run: Run, job: InFlight):
     return run.put(packed, mine.start, rl.batch), metrics
 
 
-class Metrics:
-    """metrics.jsonl (rewritten up to the resumed step, then appended) and TensorBoard."""
-
-    def __init__(self, run_dir: pathlib.Path, start_step: int):
-        self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in kept if json.loads(ln)["step"] < start_step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.board = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            self.board = None
-
-    def write(self, step: int, metrics: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.board is not None:
-            for k, v in metrics.items():
-                if isinstance(v, float):
-                    self.board.add_scalar(k, v, step)
-
-
-def start_or_resume(run: Run, checkpoints: Checkpoints, log):
+def start_or_resume(run: Run, loop: trainer.TrainLoop, log):
     """The TrainState to continue from: the latest good checkpoint, else a fresh warm start."""
     rl, cfg = run.rl, run.cfg
     trained = trained_groups(run.mode, run.networks.draft is not None)
@@ -339,88 +323,106 @@ def start_or_resume(run: Run, checkpoints: Checkpoints, log):
     new = lambda params: init_state(
         run.networks, params, tx, trained, seed=cfg.seed, reference=rl.kl_coef > 0
     )
-    if steps := checkpoints.manager.all_steps():
-        state = checkpoints.restore_latest(new(run.initial_params))
-        if state is None:
-            raise ConfigError(
-                f"none of the {len(steps)} checkpoints in {checkpoints.directory} restores (each "
-                "is reported above and was moved aside); run again to start the run afresh."
-            )
-        return state, step
+    if (restored := loop.resume(lambda: new(run.initial_params))) is not None:
+        return restored[0], step
     state = new(warm_start(run, log))
-    checkpoints.save(0, state)
+    loop.save(0, state)
     return state, step
 
 
-def train(run: Run, state, train_step, steps: range, checkpoints, metrics_out, quiet: bool):
-    """The RL loop, synchronous or asynchronous. The rollouts of step s are generated with the
+def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool) -> None:
+    """The RL loop, synchronous or asynchronous, from the steps `state` has done to rl.steps (or
+    a limit of the run: `loop` saves and stops it). The rollouts of step s are generated with the
     weights of step max(s - rl.max_lag, first step); those of the steps ahead are dispatched
     before this step's train step (from the sampler's thread), so on the rollout mesh they run
     while it trains: nothing waits for them until their own step. After each train step its policy
     and draft weights go to the sampler. rl.max_lag=0 is the synchronous loop."""
-    rl = run.rl
+    rl, first = run.rl, int(state.step)
+    last = loop.limits.last_step(first, rl.steps)  # unless the time limit comes first
     sampler = Sampler(run.sampler_networks, run.networks)
-    sampler.load(state, steps.start)
+    sampler.load(state, first)
     inflight: dict[int, InFlight] = {}
-    bar = tqdm(steps, initial=steps.start, total=rl.steps, disable=quiet)
-    for step in bar:
-        start = time.perf_counter()
-        for ahead in range(step, min(step + rl.max_lag, steps.stop - 1) + 1):
-            if ahead not in inflight:
-                inflight[ahead] = start_rollout(run, sampler, ahead)
-        batch, metrics = finish_rollout(run, inflight.pop(step))
-        train_start = time.perf_counter()
-        state, train_metrics = jax.block_until_ready(train_step(state, batch))
-        metrics["train_time"] = time.perf_counter() - train_start
-        metrics["transfer_time"] = sampler.load(state, step + 1)
-        metrics.update({k: float(v) for k, v in jax.device_get(train_metrics).items()})
-        metrics["step_time"] = time.perf_counter() - start
-        if metrics_out is not None:
-            metrics_out.write(step, metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
-        )
-        if rl.save_every and (step + 1) % rl.save_every == 0 or step + 1 == steps.stop:
-            checkpoints.save(step + 1, state)
-    sampler.close()
+    bar = tqdm(range(first, rl.steps), initial=first, total=rl.steps, disable=quiet)
+    try:
+        for step in bar:
+            start = time.perf_counter()
+            for ahead in range(step, min(step + rl.max_lag, last - 1) + 1):
+                if ahead not in inflight:
+                    inflight[ahead] = start_rollout(run, sampler, ahead)
+            batch, metrics = finish_rollout(run, inflight.pop(step))
+            train_start = time.perf_counter()
+            state, train_metrics = jax.block_until_ready(train_step(state, batch))
+            metrics["train_time"] = time.perf_counter() - train_start
+            metrics["transfer_time"] = sampler.load(state, step + 1)
+            metrics.update({k: float(v) for k, v in jax.device_get(train_metrics).items()})
+            metrics["step_time"] = time.perf_counter() - start
+            bar.set_postfix(
+                reward=f"{metrics['reward']:.2f}", accepted=f"{metrics['accepted_length']:.2f}"
+            )
+            loop.step_done(step + 1, state, metrics)
+    finally:
+        sampler.close()
+
+
+def messengers(quiet: bool):
+    """(say, log): say prints on process 0 (warnings, the resume); log the same unless `quiet`
+    (progress)."""
+    say = (lambda msg: tqdm.write(msg, file=sys.stderr)) if hosts.is_main() else (lambda _: None)
+    return say, (lambda _: None) if quiet else say
+
+
+def use_compilation_cache(directory: str) -> None:
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def run_loop(args, cfg: config_lib.Config, run_dir: pathlib.Path, limits, say):
+    """The run's `trainer.TrainLoop`: checkpoints (its config checked against theirs), metrics,
+    limits."""
+    rl = cfg.rl
+    return trainer.TrainLoop(
+        run_dir,
+        {**config_lib.to_dict(cfg), "draft_mode": args.draft},
+        total=rl.steps,
+        limits=limits,
+        keep=rl.keep_checkpoints,
+        save_every=rl.save_every,
+        allow_changes=args.allow_config_change,
+        log=say,
+    )
 
 
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
-    say = (lambda msg: tqdm.write(msg, file=sys.stderr)) if hosts.is_main() else (lambda _: None)
-    log = (lambda _: None) if args.quiet else say  # --quiet: no progress, warnings still said
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    limits = trainer.Limits.from_args(args)  # --stop-after counts from here
+    say, log = messengers(args.quiet)
+    use_compilation_cache(args.compilation_cache)
     cfg = config_lib.load(args.config, args.overrides)
     cfg = check(cfg, args.draft, jax.device_count(), jax.process_count())[0]
+    rl = cfg.rl
     run_dir = cli.run_directory(
         pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft}")
     )
-    saved_config = {**config_lib.to_dict(cfg), "draft_mode": args.draft}
-    checkpoints = Checkpoints(
-        run_dir / "checkpoints", saved_config, cfg.rl.keep_checkpoints,
-        allow_changes=args.allow_config_change, log=say,
-    )  # fmt: skip
-    checkpoints.check_resume()
-    run = Run(cfg, args.draft)
-    state, train_step = start_or_resume(run, checkpoints, log)
-    first = int(state.step)
-    last = cfg.rl.steps if args.stop_after is None else min(cfg.rl.steps, first + args.stop_after)
-    if first >= cfg.rl.steps:
-        say(f"{run_dir}: already complete at step {first} (rl.steps={cfg.rl.steps}); raise "
-            "rl.steps to train on.")  # fmt: skip
-    else:
-        rl = cfg.rl
-        log(f"metrics: {run_dir / 'metrics.jsonl'}; checkpoints: {checkpoints.directory} (every "
-            f"{rl.save_every} steps, the last {rl.keep_checkpoints} kept)")  # fmt: skip
-        log(f"step {first} compiles the rollout and the train step; the time estimate settles "
-            "after it")  # fmt: skip
-        metrics_out = Metrics(run_dir, first) if hosts.is_main() else None
-        quiet = args.quiet or not hosts.is_main()
-        train(run, state, train_step, range(first, last), checkpoints, metrics_out, quiet)
-    checkpoints.wait()
-    checkpoints.close()
+    loop = run_loop(args, cfg, run_dir, limits, say)
+    with trainer.resumable(say), loop:
+        run = Run(cfg, args.draft)
+        state, train_step = start_or_resume(run, loop, log)
+        if (first := int(state.step)) >= rl.steps:
+            say(
+                f"{run_dir}: already complete at step {first} (rl.steps={rl.steps}); raise "
+                "rl.steps to train on."
+            )
+            return run_dir
+        log(
+            f"metrics: {loop.metrics_path}; checkpoints: {loop.checkpoints.directory} (every "
+            f"{rl.save_every} steps, the last {rl.keep_checkpoints} kept)"
+        )
+        log(
+            f"step {first} compiles the rollout and the train step; the time estimate settles "
+            "after it"
+        )
+        train(run, state, train_step, loop, args.quiet or not hosts.is_main())
     return run_dir
 
 

@@ -1,43 +1,33 @@
-"""TrainState: everything a run changes, as one pytree, and its orbax checkpoints.
+"""TrainState: everything a run changes, as one pytree; the optimizer of both training jobs.
 
 The policy and draft parameters are plain nested dicts (`nnx.to_pure_dict`), so optax, orbax and
 `jit` see ordinary pytrees; `Networks` holds the static rest (graph definitions, the draft's
 vocabulary map) and turns parameters back into modules inside `jit`. The sampler reads the same
 TrainState the train step writes: there is no weight sync.
 
-Optimizers: one `optax.multi_transform` with a group per parameter set, each with its own learning
-rate and gradient clipping (the draft's gradients are clipped apart from the policy's). A frozen
-draft is not in the optimizer at all.
+Optimizers (`adamw`, both training jobs'): one `optax.multi_transform` with a group per parameter
+set (`Group`), each with its own learning rate, gradient clipping, weight decay and optional
+warmup-cosine schedule over its steps (the draft's gradients are clipped apart from the policy's).
+`optimizer` gives an RL run's groups (the `rl` config); `jspec.jobs.train_code_lm` makes one group
+per stage. A frozen draft is not in the optimizer at all.
 
 Randomness: `rng` is one key; each step's rollout key is `fold_in(rng, step)`, so a resumed run
 draws what the uninterrupted run drew. Under SPMD `jit` a global key gives every data-parallel rank
 different bits for its own rows and every tensor or context replica the same bits for the same
 rows, which is what seeding per data-parallel rank is for (replicas never diverge).
 
-Checkpoints (`Checkpoints`): orbax `CheckpointManager`, async saves, the run's config saved beside
-each state as JSON. Resuming reads the latest step whose state restores, before anything is
-compiled: a config changed in a way that breaks the resume is refused, and a corrupt checkpoint is
-set aside (the step is then saved anew) and the one before it used.
+Checkpoints of a TrainState: `jspec.rl.checkpoints.Checkpoints`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-import pathlib
-import shutil
-import sys
-import traceback
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec.config import ConfigError, RLConfig
@@ -99,18 +89,49 @@ class Networks:
         return out
 
 
-def optimizer(rl: RLConfig, trained: tuple[str, ...], policy_learning_rate: float):
-    """One multi_transform over the trained groups: AdamW after per-group norm clipping."""
-    groups = {
-        "policy": (policy_learning_rate, rl.max_grad_norm),
-        "draft": (rl.draft_learning_rate, rl.draft_max_grad_norm),
-    }
+class Group(NamedTuple):
+    """One parameter group of `adamw`: its (peak) learning rate, the global norm its gradients are
+    clipped to, its weight decay, and the steps of its warmup-cosine schedule (None: a constant
+    learning rate; else a linear warmup from 0 over the first 1/20 of the steps, at least one,
+    then a cosine decay to 0 at the last)."""
+
+    learning_rate: float
+    max_grad_norm: float
+    weight_decay: float = 1e-4  # optax.adamw's default
+    schedule_steps: int | None = None
+
+    def rate(self):
+        """The learning rate: a float, or the schedule over the steps."""
+        if self.schedule_steps is None:
+            return self.learning_rate
+        warmup = max(self.schedule_steps // 20, 1)
+        end = max(self.schedule_steps, warmup + 1)
+        return optax.warmup_cosine_decay_schedule(0.0, self.learning_rate, warmup, end)
+
+
+def adamw(groups: dict[str, Group]):
+    """The optimizer of parameters `{group name: params}`: one multi_transform over the groups,
+    each AdamW after clipping its own gradients by their global norm."""
     transforms = {
-        name: optax.chain(optax.clip_by_global_norm(groups[name][1]), optax.adamw(groups[name][0]))
-        for name in trained
+        name: optax.chain(
+            optax.clip_by_global_norm(g.max_grad_norm),
+            optax.adamw(g.rate(), weight_decay=g.weight_decay),
+        )
+        for name, g in groups.items()
     }
     labels = lambda params: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
     return optax.multi_transform(transforms, labels)
+
+
+def optimizer(rl: RLConfig, trained: tuple[str, ...], policy_learning_rate: float):
+    """`adamw` of an RL run's trained groups: the policy's at `policy_learning_rate` (the warm
+    start's or RL's) clipped to rl.max_grad_norm, the draft's at rl.draft_learning_rate clipped to
+    rl.draft_max_grad_norm."""
+    groups = {
+        "policy": Group(policy_learning_rate, rl.max_grad_norm),
+        "draft": Group(rl.draft_learning_rate, rl.draft_max_grad_norm),
+    }
+    return adamw({name: groups[name] for name in trained})
 
 
 def trained_groups(mode: str, has_draft: bool) -> tuple[str, ...]:
@@ -170,206 +191,3 @@ def placement(state: TrainState, mesh: Mesh):
     return jax.tree.map(
         lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, state
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints.
-
-# Config fields a checkpoint's state is shaped by: a resume that changes them cannot restore.
-SHAPED_BY = ("model", "draft_mode", "rollout.draft", "pipeline")
-# Config fields a resume may change and still continue as the uninterrupted run would have.
-SAFE_TO_CHANGE = ("name", "rl.steps", "rl.save_every", "rl.keep_checkpoints")
-
-
-def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def changed_fields(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
-    """{dotted field: (saved value, current value)} of the fields that differ."""
-    saved, current = _flat(saved), _flat(current)
-    keys = sorted(set(saved) | set(current))
-    return {k: (saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)}
-
-
-def _under(field: str, sections: tuple[str, ...]) -> bool:
-    return any(field == s or field.startswith(s + ".") for s in sections)
-
-
-@contextlib.contextmanager
-def _output_to(log: pathlib.Path):
-    """Everything written to the process's stderr (orbax's and TensorStore's reports of a failed
-    read: thousands of lines) goes to the end of `log` instead."""
-    _log_stray_callbacks(log)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with log.open("a") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-class Checkpoints:
-    """Async orbax checkpoints of TrainState, with the run's config (a JSON dict) beside each.
-
-    Resuming (`restore_latest`) reads the newest checkpoint that restores. One that does not
-    (truncated, garbled, half deleted) is moved out of the way, to `corrupt/` beside the
-    checkpoints, with one line saying why (the reader's full report goes to `checkpoints.log`):
-    the run then saves that step anew, and retention (the newest `keep`) only ever counts
-    checkpoints that restore. A checkpoint written with a different config is refused when the
-    state's shapes follow the change (`SHAPED_BY`), or when the run would no longer continue as the
-    uninterrupted one would have, unless `allow_changes`; changes in `SAFE_TO_CHANGE` are accepted.
-    Each accepted change is logged."""
-
-    def __init__(
-        self,
-        directory: str | pathlib.Path,
-        config: dict,
-        keep: int = 3,
-        *,
-        allow_changes: bool = False,
-        log=lambda msg: print(msg, file=sys.stderr),
-    ):
-        self.directory = pathlib.Path(directory).resolve()
-        self.config = json.loads(json.dumps(config))  # JSON types, as it will be read back
-        self.keep, self.allow_changes, self.log = keep, allow_changes, log
-        self.log_file = self.directory.parent / "checkpoints.log"
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "config")
-        )
-
-    def save(self, step: int, state: TrainState) -> None:
-        """Starts an async save (returns once the arrays are copied off the devices)."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.config)
-            ),
-        )
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
-    def close(self) -> None:
-        self.manager.close()
-
-    def check_config(self, saved: dict, step: int) -> str:
-        """Raises ConfigError when checkpoint `step` (config `saved`) cannot or should not be
-        resumed with this run's config; the changes it accepts, described ('' for none)."""
-        changes = changed_fields(saved, self.config)
-        where = f"checkpoint step {step} in {self.directory}"
-        describe = lambda fields: ", ".join(
-            f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fields
-        )
-        shaped = [k for k in changes if _under(k, SHAPED_BY)]
-        if shaped:
-            raise ConfigError(
-                f"{where} was written with another model or draft ({describe(shaped)}); resume "
-                "with the config it was written with, or start a new run directory."
-            )
-        exact = [k for k in changes if not _under(k, SAFE_TO_CHANGE)]
-        if exact and not self.allow_changes:
-            raise ConfigError(
-                f"{where} was written with {describe(exact)}; with a changed value the run "
-                "would not continue as it was. Resume with the saved values, pass "
-                "--allow-config-change to continue with the new ones, or start a new run "
-                "directory."
-            )
-        return describe(sorted(changes))
-
-    def check_resume(self) -> None:
-        """`check_config` against the newest checkpoint whose config reads, so that a resume the
-        config refuses fails before anything is built (`restore_latest` checks again)."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                saved = self._restore_config(step)
-            except Exception:  # noqa: BLE001 - restore_latest sets it aside
-                continue
-            self.check_config(saved, step)
-            return
-
-    def restore_latest(self, template: TrainState) -> TrainState | None:
-        """The newest checkpoint that restores (None: there is none), placed like `template`.
-        A checkpoint written with another config is an error; one that fails to read is moved
-        aside and the one before it tried."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                saved = self._restore_config(step)
-            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is set aside
-                self._set_aside(step, error)
-                continue
-            changes = self.check_config(saved, step)
-            try:
-                with _output_to(self.log_file):
-                    restored = self.manager.restore(
-                        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                    )
-            except Exception as error:  # noqa: BLE001
-                self._set_aside(step, error)
-                continue
-            self.log(f"resuming from step {step} in {self.directory}")
-            if changes:
-                self.log(f"resuming with a changed config: {changes}")
-            return TrainState(*restored.state)
-        return None
-
-    def _restore_config(self, step: int) -> dict:
-        with _output_to(self.log_file):
-            args = ocp.args.Composite(config=ocp.args.JsonRestore())
-            return self.manager.restore(step, args=args).config
-
-    def _set_aside(self, step: int, error: Exception) -> None:
-        """Moves unreadable checkpoint `step` to `corrupt/` (process 0, once every process has
-        failed to read it), so that the step can be saved again."""
-        aside = self.directory.parent / "corrupt" / f"{step}"
-        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
-        self.log(
-            f"checkpoint step {step} does not restore ({reason}); moved to {aside}, details in "
-            f"{self.log_file}"
-        )
-        _barrier(f"jspec checkpoint {step} unreadable")
-        if jax.process_index() == 0:
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            if aside.exists():
-                shutil.rmtree(aside)
-            shutil.move(str(self.directory / f"{step}"), aside)
-        _barrier(f"jspec checkpoint {step} set aside")
-        self.manager.reload()
-
-
-def _log_stray_callbacks(log: pathlib.Path) -> None:
-    """After a failed read, TensorStore's callbacks still land, one per array, on the read's event
-    loop, closed by then: Python reports each as an unraisable 'Event loop is closed' (thousands
-    of tracebacks in the terminal). Those go to `log`; any other unraisable error as before."""
-    default = sys.unraisablehook
-    if getattr(default, "jspec_log", None) == log:
-        return
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(
-            unraisable.exc_value
-        ):
-            with log.open("a") as f:
-                traceback.print_exception(unraisable.exc_value, file=f)
-        else:
-            default(unraisable)
-
-    hook.jspec_log = log
-    sys.unraisablehook = hook
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)

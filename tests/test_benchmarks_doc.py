@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -30,6 +29,7 @@ import shlex
 from unittest import mock
 
 import pytest
+import tomllib
 
 from jspec import config as config_lib
 
@@ -94,13 +94,16 @@ def segments(code: str) -> list[list[str]]:
 
 @functools.cache
 def scripts() -> dict[str, str]:
-    """Console script -> the module whose `main` it runs (a `jspec.jobs.cli.entry(module)`
-    closure names it; a plain function's own module otherwise)."""
+    """Console script (pyproject.toml's [project.scripts], so an uninstalled checkout reads them
+    too) -> the module whose `main` it runs (a `jspec.jobs.cli.entry(module)` closure names it;
+    a plain function's own module otherwise)."""
     out = {}
-    for ep in importlib.metadata.distribution("jspec").entry_points:
-        if ep.group == "console_scripts":
-            module = inspect.getclosurevars(ep.load()).nonlocals.get("module")
-            out[ep.name] = module if isinstance(module, str) else ep.module
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, target in declared.items():
+        module_name, attribute = target.split(":")
+        entry = getattr(importlib.import_module(module_name), attribute)
+        module = inspect.getclosurevars(entry).nonlocals.get("module")
+        out[name] = module if isinstance(module, str) else module_name
     return out
 
 
@@ -170,7 +173,11 @@ def config_names() -> set[str]:
 
 def check_command(module_name: str, argv: list[str]) -> list[str]:
     """What keeps `python -m module_name argv` from running as written (empty: nothing)."""
-    if importlib.util.find_spec(module_name) is None:
+    try:
+        found = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError:  # its package does not exist either
+        found = None
+    if found is None:
         return [f"no module {module_name}"]
     try:
         parser, method = parser_of(module_name)

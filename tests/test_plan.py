@@ -10,12 +10,14 @@ buffers; a thread samples it while the step runs.
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
 import threading
 import time
 
+import jax
 import pytest
 
 from jspec import config as config_lib
@@ -145,11 +147,25 @@ def readme_example() -> tuple[list[str], str]:
 
 
 def test_readme_shows_the_report_the_planner_prints(capsys, planner_env):
-    """Byte for byte, so the README's figures cannot go stale. The tests' fast-compile flags
-    (conftest.py) change the machine code LLVM makes, not XLA's buffers or FLOP counts."""
+    """Byte for byte under the jax version the README names, so its figures cannot go stale; under
+    another version (XLA's buffers change with it), the same report with every figure within 10%.
+    The tests' fast-compile flags (conftest.py) change the machine code LLVM makes, not XLA's
+    buffers or FLOP counts."""
     argv, printed = readme_example()
     plan.main(argv)
-    assert capsys.readouterr().out.rstrip("\n") == printed
+    got = capsys.readouterr().out.rstrip("\n")
+    if f"of jax {jax.__version__} on" in printed:
+        assert got == printed
+        return
+    number = r"\d[\d,]*\.?\d*"
+    assert re.sub(number, "N", got.split(" on ", 1)[1]) == re.sub(
+        number, "N", printed.split(" on ", 1)[1]
+    )
+    figures = lambda text: [
+        float(x.replace(",", "")) for x in re.findall(number, text.split(" on ", 1)[1])
+    ]
+    for a, b in zip(figures(got), figures(printed), strict=True):
+        assert abs(a - b) <= 0.1 * max(abs(b), 1e-9), (a, b, got)
 
 
 def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env):
@@ -162,7 +178,10 @@ def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env)
     ]
     plan.main(["--config", "tiny", "--mesh", "data=2", "--seq-len", "128", *tiny_moe])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "CPU estimate (XLA CPU compiler on 2 virtual devices) of tiny"
+    assert (
+        lines[0]
+        == f"CPU estimate (XLA CPU compiler of jax {jax.__version__} on 2 virtual devices) of tiny"
+    )
     assert lines[2:5] == [
         "mixture of experts: 4 of 8 experts per device (split over data x context, 2 devices), "
         "top-2, 2 of 2 layers",

@@ -21,11 +21,13 @@ from jspec.config.run import Config
 def _config_dir() -> pathlib.Path:
     """The named configs: the top-level configs/, installed as the package data of jspec.configs
     (so `load("demo")` works from any folder), or read beside the package in a source checkout
-    that was not installed."""
+    that was not installed (where `jspec.configs` may still import as an empty namespace)."""
+    checkout = pathlib.Path(__file__).resolve().parents[2] / "configs"
     try:
-        return pathlib.Path(str(importlib.resources.files("jspec.configs")))
-    except ModuleNotFoundError:
-        return pathlib.Path(__file__).resolve().parent.parent.parent / "configs"
+        installed = pathlib.Path(str(importlib.resources.files("jspec.configs")))
+    except (ModuleNotFoundError, TypeError):
+        return checkout
+    return installed if any(installed.glob("*.yaml")) else checkout
 
 
 CONFIG_DIR = _config_dir()

@@ -264,11 +264,13 @@ def _flop(n: float) -> str:
 
 
 def target(platform: str, devices: int) -> str:
-    """The report's first line: whose figures these are, so no one reads them as a GPU's."""
+    """The report's first line: whose figures these are (the compiler and its jax version), so no
+    one reads them as a GPU's or as another version's."""
     name = platform.upper()
     virtual = " virtual" if platform == "cpu" else ""
     kind = "estimate" if platform == "cpu" else "compile"
-    return f"{name} {kind} (XLA {name} compiler on {devices}{virtual} device{'s' * (devices > 1)})"
+    where = f"{devices}{virtual} device{'s' * (devices > 1)}"
+    return f"{name} {kind} (XLA {name} compiler of jax {jax.__version__} on {where})"
 
 
 def moe_assumptions(cfg: config_lib.Config) -> list[str]:

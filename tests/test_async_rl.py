@@ -17,8 +17,9 @@ from jspec import config as config_lib
 from jspec.config import ConfigError, MeshConfig
 from jspec.models import create
 from jspec.rl import grpo
-from jspec.rl.rollouts import WeightMover, split_meshes
+from jspec.rl.meshes import split_meshes
 from jspec.rl.state import Networks
+from jspec.rl.weights import WeightMover
 
 DISCRETE = ("reward", "accepted_length")
 SPLIT = ("rl.rollout_mesh.data=4",)  # 4 rollout devices, the training mesh on the other 4

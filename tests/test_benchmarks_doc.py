@@ -265,7 +265,7 @@ def test_the_check_catches_what_it_should(tmp_path):
     """A document with each kind of fault fails with each fault named; a good one passes."""
     good = (
         "Run `XLA_FLAGS=--x=1 python -m jspec.bench.rollout --config tiny --batches 1 2 &` and\n"
-        "```\njspec-train-rl --config demo --quiet \\\n  rl.steps=2 --draft frozen > log\n```\n"
+        "```\njspec-train-rl --config demo --quiet \\\n  rl.steps=2 --draft-mode frozen\n```\n"
         "then `jspec-launch train_rl --config demo rl.steps=1`.\n"
     )
     path = tmp_path / "good.md"

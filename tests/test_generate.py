@@ -16,7 +16,7 @@ from helpers import chi_square_p_value, distill_eagle3, noisy_copy
 from jax import monitoring
 
 import jspec.sampler.acceptance as acceptance
-import jspec.sampler.decoding as decoding
+import jspec.sampler.generation as generation
 from jspec.config import (
     ConfigError,
     KernelConfig,
@@ -264,12 +264,12 @@ def test_a_verifier_that_skips_top_p_is_caught(small, monkeypatch):
         logits, temperature=temperature, top_k=top_k
     )
     monkeypatch.setattr(acceptance, "_target_probs", skip_top_p)
-    for f in (acceptance._verify, decoding._generate):
+    for f in (acceptance._verify, generation._generate):
         f.clear_cache()
     try:
         codes, _ = sample_codes(small, c)
     finally:
-        for f in (acceptance._verify, decoding._generate):
+        for f in (acceptance._verify, generation._generate):
             f.clear_cache()
     assert chi_square_p_value(codes, exact_joint(small[0], c["temperature"], c["top_p"])) < P_VALUE
 
@@ -281,7 +281,7 @@ def test_a_verifier_that_skips_top_p_is_caught(small, monkeypatch):
 def test_identical_draft_accepts_everything_and_generate_compiles_once(setup):
     target = setup["target"]
     config = RolloutConfig(max_new_tokens=NEW, temperature=1.0, tree=TREES["chain"])
-    before = decoding._generate._cache_size()
+    before = generation._generate._cache_size()
     for seed in (3, 4):
         prompts, lengths = random_prompts(8, 5, seed=seed)
         key = jax.random.key(seed)
@@ -289,7 +289,7 @@ def test_identical_draft_accepts_everything_and_generate_compiles_once(setup):
         np.testing.assert_array_equal(out.stats.steps, 3)
         np.testing.assert_array_equal(out.stats.accepted, 9)
         np.testing.assert_array_equal(out.lengths, NEW)
-    assert decoding._generate._cache_size() - before == 1
+    assert generation._generate._cache_size() - before == 1
 
 
 def test_compile_generate_leaves_generate_nothing_to_compile(setup):
@@ -299,7 +299,7 @@ def test_compile_generate_leaves_generate_nothing_to_compile(setup):
     )
     s, config = setup, greedy(rows=4)
     args = (s["target"], None, s["prompts"], s["lengths"], jax.random.key(0), config)
-    decoding.compile_generate(*args)
+    generation.compile_generate(*args)
     assert compiles, "compile_generate compiled nothing"
     compiles.clear()
     out = generate(*args)

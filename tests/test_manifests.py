@@ -44,7 +44,7 @@ def test_the_manifests_commands_pass_the_trainers_validation(manifest):
     args, processes, devices = manifest()
     parsed = train_rl.parse_args(args)
     cfg = config_lib.load(parsed.config, parsed.overrides)
-    train_rl.check(cfg, parsed.draft, devices, processes)
+    train_rl.check(cfg, parsed.draft_mode, devices, processes)
 
 
 def rl_configs() -> list[str]:

@@ -13,6 +13,7 @@ import sys
 import pytest
 from helpers import LOOP
 
+from jspec.config import ConfigError
 from jspec.jobs import cli, train_rl, trainer
 
 ERRORS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
@@ -112,6 +113,18 @@ def test_a_time_limit_saves_the_step_and_exits_75(finished, tmp_path, capfd):
     assert "stopped at the time limit after step 4, saved in " in err, err
     assert err.rstrip().endswith("; run the same command to resume"), err
     assert steps(run) == [2, 3, 4]
+
+
+def test_fields_added_since_a_checkpoint_was_written_are_named_not_refused(tmp_path):
+    """A config field the checkpoint's config lacks (added to jspec after it was saved) is
+    accepted with a line; a field that exists and differs is still refused."""
+    from jspec.rl.checkpoints import Checkpoints
+
+    ckpts = Checkpoints(tmp_path, {"model": {"width": 2, "new": 1}, "seed": 0})
+    assert ckpts.check_config({"model": {"width": 2}, "seed": 0}, 3) == "model.new: (absent) -> 1"
+    with pytest.raises(ConfigError, match="another model or draft"):
+        ckpts.check_config({"model": {"width": 3}, "seed": 0}, 3)
+    ckpts.close()
 
 
 def table_rows() -> list[tuple[str, str, str]]:

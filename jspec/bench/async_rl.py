@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="the test-size model instead of 1.2B")
     p.add_argument("--steps", type=int, default=8, help="RL steps per run")
     p.add_argument("--skip", type=int, default=2, help="first steps left out (compilation)")
-    p.add_argument("--drafts", default="cotrain,none", help="comma-separated --draft modes")
+    p.add_argument("--drafts", default="cotrain,none", help="comma-separated --draft-mode modes")
     p.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES)
     )
@@ -67,7 +67,7 @@ def measure(overrides: list[str], draft: str, mode: str, args, work: pathlib.Pat
     """Medians of one train_rl run's steps after the first `args.skip`."""
     run_dir = work / f"{draft}-{mode}"
     every = [*overrides, *MODES[mode], f"rl.steps={args.steps}"]
-    train_rl.main([*every, "--draft", draft, "--run-dir", str(run_dir), "--quiet"])
+    train_rl.main([*every, "--draft-mode", draft, "--run-dir", str(run_dir), "--quiet"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = rows[args.skip :]
     batch = config_lib.load("demo", every).rl.batch

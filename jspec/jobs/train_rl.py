@@ -1,8 +1,8 @@
 """RL with speculative rollouts and an online co-trained draft: SFT warm start, then GRPO.
 
     python -m jspec.jobs.train_rl                      # configs/demo.yaml, co-trained
-    python -m jspec.jobs.train_rl --draft frozen       # the draft stops learning after SFT
-    python -m jspec.jobs.train_rl --draft none         # plain decoding, no draft
+    python -m jspec.jobs.train_rl --draft-mode frozen       # the draft stops learning after SFT
+    python -m jspec.jobs.train_rl --draft-mode none         # plain decoding, no draft
     python -m jspec.jobs.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
     python -m jspec.jobs.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
 
@@ -53,12 +53,12 @@ from jspec.config import ConfigError
 from jspec.jobs import cli, trainer
 from jspec.models import create
 from jspec.models.draft_factory import from_config as draft_from_config
-from jspec.rl import grpo, packing, rollouts, tasks
+from jspec.rl import grpo, meshes, packing, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
-from jspec.sampler.decoding import decode_rows, row_shards
+from jspec.sampler.generation import decode_rows, row_shards
 from jspec.sampler.tree_choice import TreeChooser
 
 
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rl.steps=60")
     p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
-    p.add_argument("--draft", default="cotrain", choices=("cotrain", "frozen", "none"))
+    p.add_argument("--draft-mode", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no progress lines")
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
@@ -100,11 +100,11 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             "rl.rollout_mesh (asynchronous RL) runs in one process for now; on several hosts "
             "leave it unset (synchronous RL on the whole mesh)."
         )
-    rl.check_mesh(*rollouts.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
+    rl.check_mesh(*meshes.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
     if mode != "none" and cfg.rollout.draft.kind != "eagle3":
         raise ConfigError(
-            f"--draft {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
-            f"{cfg.rollout.draft.kind!r}; set rollout.draft.kind=eagle3, or pass --draft none."
+            f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
+            f"{cfg.rollout.draft.kind!r}; set rollout.draft.kind=eagle3, or pass --draft-mode none."
         )
     if rl.tree_costs is not None and mode != "none":
         TreeChooser.from_bench(rl.tree_costs)  # the file reads and names its trees
@@ -144,7 +144,7 @@ class Run:
             cfg, mode, jax.device_count(), jax.process_count()
         )
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
-        self.mesh, self.rollout_mesh = rollouts.split_meshes(cfg.mesh, self.rl.rollout_mesh)
+        self.mesh, self.rollout_mesh = meshes.split_meshes(cfg.mesh, self.rl.rollout_mesh)
         self.trees = None
         if self.rl.tree_costs is not None and mode != "none":
             self.trees = TreeChooser.from_bench(self.rl.tree_costs)
@@ -383,7 +383,7 @@ def run_loop(args, cfg: config_lib.Config, run_dir: pathlib.Path, limits, say):
     rl = cfg.rl
     return trainer.TrainLoop(
         run_dir,
-        {**config_lib.to_dict(cfg), "draft_mode": args.draft},
+        {**config_lib.to_dict(cfg), "draft_mode": args.draft_mode},
         total=rl.steps,
         limits=limits,
         keep=rl.keep_checkpoints,
@@ -399,14 +399,14 @@ def main(argv=None) -> pathlib.Path:
     say, log = messengers(args.quiet)
     use_compilation_cache(args.compilation_cache)
     cfg = config_lib.load(args.config, args.overrides)
-    cfg = check(cfg, args.draft, jax.device_count(), jax.process_count())[0]
+    cfg = check(cfg, args.draft_mode, jax.device_count(), jax.process_count())[0]
     rl = cfg.rl
     run_dir = cli.run_directory(
-        pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft}")
+        pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft_mode}")
     )
     loop = run_loop(args, cfg, run_dir, limits, say)
     with trainer.resumable(say), loop:
-        run = Run(cfg, args.draft)
+        run = Run(cfg, args.draft_mode)
         state, train_step = start_or_resume(run, loop, log)
         if (first := int(state.step)) >= rl.steps:
             say(

@@ -138,17 +138,21 @@ class Checkpoints:
         """Raises ConfigError when checkpoint `step` (config `saved`) cannot or should not be
         resumed with this run's config; the changes it accepts, described ('' for none)."""
         changes = changed_fields(saved, self.config)
+        # Fields the checkpoint's config lacks were added to jspec after it was written: named,
+        # never refused.
+        added = set(_flat(self.config)) - set(_flat(saved))
         where = f"checkpoint step {step} in {self.directory}"
+        before = lambda k: "(absent)" if k in added else repr(changes[k][0])
         describe = lambda fields: ", ".join(
-            f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fields
+            f"{k}: {before(k)} -> {changes[k][1]!r}" for k in fields
         )
-        shaped = [k for k in changes if _under(k, self.shaped_by)]
+        shaped = [k for k in changes if _under(k, self.shaped_by) and k not in added]
         if shaped:
             raise ConfigError(
                 f"{where} was written with another model or draft ({describe(shaped)}); resume "
                 "with the config it was written with, or start a new run directory."
             )
-        exact = [k for k in changes if not _under(k, self.safe_to_change)]
+        exact = [k for k in changes if not _under(k, self.safe_to_change) and k not in added]
         if exact and not self.allow_changes:
             raise ConfigError(
                 f"{where} was written with {describe(exact)}; with a changed value the run "

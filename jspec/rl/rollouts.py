@@ -1,110 +1,25 @@
-"""Where RL rollouts run and with which weights: the sampler side of sync and async RL.
+"""The sampler of RL: the weights rollouts are generated with, and the thread that generates them.
 
 Synchronous RL (no `rl.rollout_mesh`) samples on the training mesh with the TrainState's own
-parameters: nothing moves. Asynchronous RL splits the devices: the last ones form the rollout
-mesh (`rl.rollout_mesh`, fixed sizes), the rest the training mesh (`mesh`), and after every train
-step the new policy and draft parameters move to the rollout mesh device to device, so the sampler
-always drafts with the draft that was trained with the policy it samples.
-
-The move never goes through the host. `jax.device_put` copies a shard from device to device when
-the source holds exactly the slice the destination wants, and otherwise reads the whole array
-back to the host. So the move first reshards, inside `jit` on the bigger side, into whole copies of
-the smaller side's layout (an extra leading "copies" mesh axis); every destination shard then has
-a source shard of the same slice, and the copy between the device sets is shard for shard. Hence
-the rule that one mesh's device count divide the other's.
+parameters: nothing moves. Asynchronous RL samples on the rollout mesh (`jspec.rl.meshes`), with
+the weights moved there after every train step (`jspec.rl.weights`).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import hosts
 from jspec import mesh as mesh_lib
-from jspec.config import ConfigError, MeshConfig, RolloutConfig
+from jspec.config import RolloutConfig
 from jspec.rl.state import Networks, TrainState
+from jspec.rl.weights import WeightMover
 from jspec.sampler import Rollout, generate
-
-
-def split_sizes(
-    mesh: MeshConfig, rollout: MeshConfig | None, num_devices: int
-) -> tuple[dict[str, int], dict[str, int] | None]:
-    """The axis sizes of (the training mesh, the rollout mesh or None) on `num_devices`: the
-    rollout mesh takes the last devices, the training mesh the rest; clear errors when the sizes
-    do not fit."""
-    if rollout is None:
-        return mesh_lib.mesh_shape(mesh, num_devices), None
-    sizes = {axis: getattr(rollout, axis) for axis in mesh_lib.AXES}
-    n = math.prod(sizes.values())
-    if n >= num_devices:
-        raise ConfigError(
-            f"rl.rollout_mesh {sizes} takes {n} devices, but only {num_devices} are present, "
-            "leaving none for training; shrink rl.rollout_mesh so its axes' product is below "
-            f"{num_devices}, or drop it to sample on the training mesh."
-        )
-    try:
-        train = mesh_lib.mesh_shape(mesh, num_devices - n)
-    except ConfigError as error:
-        raise ConfigError(
-            f"{error} (the training mesh gets the {num_devices - n} devices left after "
-            f"rl.rollout_mesh's {n})"
-        ) from None
-    size = math.prod(train.values())
-    if max(size, n) % min(size, n):
-        raise ConfigError(
-            f"the training mesh's {size} devices and rl.rollout_mesh's {n}: one count must "
-            "divide the other, so the weights move device to device in whole copies of a layout "
-            f"(jspec.rl.rollouts); e.g. give rl.rollout_mesh {num_devices // 2} of the "
-            f"{num_devices} devices."
-        )
-    return train, sizes
-
-
-def split_meshes(
-    mesh: MeshConfig, rollout: MeshConfig | None, devices: Sequence[jax.Device] | None = None
-) -> tuple[Mesh, Mesh | None]:
-    """(training mesh, rollout mesh or None) of `split_sizes` on `devices` (default: all)."""
-    devices = list(jax.devices() if devices is None else devices)
-    train, rollout_sizes = split_sizes(mesh, rollout, len(devices))
-    train_mesh = mesh_lib.make_mesh(MeshConfig(**train), devices[: math.prod(train.values())])
-    if rollout_sizes is None:
-        return train_mesh, None
-    n = math.prod(rollout_sizes.values())
-    return train_mesh, mesh_lib.make_mesh(MeshConfig(**rollout_sizes), devices[-n:])
-
-
-def _copies(devices: np.ndarray, like: Mesh) -> Mesh:
-    """`devices` as whole copies of `like`'s mesh shape, along a leading 'copies' axis."""
-    grid = np.asarray(devices).reshape(-1, *like.devices.shape)
-    return Mesh(grid, ("copies", *like.axis_names))
-
-
-class WeightMover:
-    """Moves a pytree from its shardings `src` (training mesh) to `dst` (rollout mesh), device
-    to device (module docstring): a reshard in `jit` on the bigger side, then a shard-for-shard
-    copy between the device sets."""
-
-    def __init__(self, src, dst):
-        leaf = lambda tree: jax.tree.leaves(tree)[0].mesh
-        src_mesh, dst_mesh = leaf(src), leaf(dst)
-        respec = lambda tree, mesh: jax.tree.map(lambda s: NamedSharding(mesh, s.spec), tree)
-        if src_mesh.size >= dst_mesh.size:
-            staged = respec(dst, _copies(src_mesh.devices.flat, dst_mesh))
-            relayout = jax.jit(lambda x: x, out_shardings=staged)
-            self._move = lambda x: jax.device_put(relayout(x), dst)
-        else:
-            staged = respec(src, _copies(dst_mesh.devices.flat, src_mesh))
-            relayout = jax.jit(lambda x: x, out_shardings=dst)
-            self._move = lambda x: relayout(jax.device_put(x, staged))
-
-    def __call__(self, tree):
-        return self._move(tree)
 
 
 class Sampler:

@@ -2,12 +2,12 @@
 and `generate`.
 
 `jspec.sampler.verify` is the contract's function (docs/sampler.md); it lives in
-`jspec.sampler.acceptance`, and `generate` in `jspec.sampler.decoding`: the modules to patch in
+`jspec.sampler.acceptance`, and `generate` in `jspec.sampler.generation`: the modules to patch in
 tests.
 """
 
 from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
-from jspec.sampler.decoding import Rollout, RolloutStats, compile_generate, generate, rollout
+from jspec.sampler.generation import Rollout, RolloutStats, compile_generate, generate, rollout
 from jspec.sampler.sampling import sample, sample_from_probs, sampling_probs
 from jspec.sampler.tree import (
     BranchLayout,

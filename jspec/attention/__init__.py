@@ -5,10 +5,10 @@ shapes, visibility rules, index spaces) is in docs/attention.md; `reference_atte
 densely.
 """
 
+from jspec.attention.attend import attention, ring_attention
 from jspec.attention.branch import Branch
 from jspec.attention.parallel import context_parallel_attention
 from jspec.attention.reference import reference_attention
-from jspec.attention.ring import attention, ring_attention
 from jspec.attention.zigzag import zigzag_shard, zigzag_unshard
 
 __all__ = [

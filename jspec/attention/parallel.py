@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jspec.attention import checks, explicit, pallas_gpu, zigzag
+from jspec.attention.attend import IMPLS, ring_attention
 from jspec.attention.branch import Branch
-from jspec.attention.ring import IMPLS, ring_attention
 
 
 def _slots(rank, cp: int, capacity: int):

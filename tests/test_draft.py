@@ -116,9 +116,14 @@ def test_features_of_another_shape_are_named():
 def fitting_target(seed):
     """A random target of the fixture draft's shape; its embedding differs with the seed."""
     config = ModelConfig(
-        vocab_size=300, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
         intermediate_size=128,
-    )  # fmt: skip
+    )
     return create(config, seed=seed)
 
 
@@ -199,9 +204,14 @@ def test_draft_fits_only_a_target_of_its_shape():
     draft, _ = eagle_io.load(FIXTURE)
     layer = draft.config.layer
     fits = ModelConfig(
-        vocab_size=300, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
         intermediate_size=128,
-    )  # fmt: skip
+    )
     check_target(draft, fits)
     with pytest.raises(ConfigError, match="hidden_size=64 differs from the target's 32"):
         check_target(draft, ModelConfig(**{**vars(fits), "hidden_size": 32}))

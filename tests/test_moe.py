@@ -110,8 +110,9 @@ def test_logits_and_load_balancing_loss_match_transformers(checkpoints, name):
     test_hf.close(logits[0, DOCS[0] :], test_hf.hf_logits(hf_m, docs[1]))
     test_hf.close(logits[1, : DOCS[2]], test_hf.hf_logits(hf_m, docs[2]))
     with torch.no_grad():
-        out = hf_m(torch.tensor(hf_tok), attention_mask=torch.tensor(hf_mask),
-                   output_router_logits=True)  # fmt: skip
+        out = hf_m(
+            torch.tensor(hf_tok), attention_mask=torch.tensor(hf_mask), output_router_logits=True
+        )
     np.testing.assert_allclose(aux, out.aux_loss.numpy(), rtol=1e-5)
 
 

@@ -17,12 +17,26 @@ from jspec.jobs import distributed, train_rl
 # The test loop of tests/test_rl.py, two RL steps (rollouts, rewards, packing and a co-training
 # step on each host's rows) from the initial weights: compiling dominates, so no warm start.
 LOOP = [
-    "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
-    "rl.task.name=sorting", "rl.task.difficulty=1", "rollout.max_new_tokens=6",
-    "rl.prompts=8", "rl.group_size=8", "rl.sequences_per_row=2", "rl.sft_batch=16",
-    "rl.ttt_steps=1", "rl.loss_chunk=16", "rl.save_every=1", "rl.steps=2", "rl.sft_steps=0",
-    "--compilation-cache", "", "--quiet",
-]  # fmt: skip
+    "model.hidden_size=32",
+    "model.num_layers=3",
+    "model.head_dim=8",
+    "model.intermediate_size=64",
+    "rl.task.name=sorting",
+    "rl.task.difficulty=1",
+    "rollout.max_new_tokens=6",
+    "rl.prompts=8",
+    "rl.group_size=8",
+    "rl.sequences_per_row=2",
+    "rl.sft_batch=16",
+    "rl.ttt_steps=1",
+    "rl.loss_chunk=16",
+    "rl.save_every=1",
+    "rl.steps=2",
+    "rl.sft_steps=0",
+    "--compilation-cache",
+    "",
+    "--quiet",
+]
 COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
 
 
@@ -65,7 +79,7 @@ def two_processes(run_dir):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
@@ -86,8 +100,9 @@ def test_two_processes_match_one(tmp_path):
 
 
 def flags(**kw):
-    return types.SimpleNamespace(**{"coordinator": None, "num_processes": None,
-                                    "process_id": None, **kw})  # fmt: skip
+    return types.SimpleNamespace(
+        **{"coordinator": None, "num_processes": None, "process_id": None, **kw}
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,7 +123,7 @@ def flags(**kw):
                 "REPLICATED_JOB_NAME": "workers",
             },
             dict(coordinator_address="rl-workers-0-0.rl:8476", num_processes=4, process_id=2),
-        ),  # fmt: skip
+        ),
         (flags(), {"SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[01-08]"}, {}),
         (flags(), {"SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "gpu01"}, None),
     ],

@@ -49,21 +49,30 @@ def check_branch_values(branch: Branch, tk: int) -> None:
     n = branch.anchor.shape[1]
     if concrete(branch.anchor):
         _check_index(
-            "branch.anchor", branch.anchor, -1, tk,
+            "branch.anchor",
+            branch.anchor,
+            -1,
+            tk,
             f"an anchor is the index of a trunk key token of the same row (0..{tk - 1}), or -1 "
             "for a padding node.",
-        )  # fmt: skip
+        )
     if concrete(branch.parent):
         _check_index(
-            "branch.parent", branch.parent, -1, np.arange(n),
+            "branch.parent",
+            branch.parent,
+            -1,
+            np.arange(n),
             "a parent is the index of an earlier node of the same row, or -1 (none); order the "
             "nodes so that every parent comes before its children.",
-        )  # fmt: skip
+        )
     if branch.query_nodes is not None and concrete(branch.query_nodes):
         _check_index(
-            "branch.query_nodes", branch.query_nodes, 0, n,
+            "branch.query_nodes",
+            branch.query_nodes,
+            0,
+            n,
             f"each branch query belongs to a node of the same row (0..{n - 1}).",
-        )  # fmt: skip
+        )
 
 
 def check_inputs(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl, impls):

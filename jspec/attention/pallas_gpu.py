@@ -183,8 +183,23 @@ def _params(tile: Tile):
 # Kernels. Scores are kept in base 2: s2 = q.k * scale * log2(e), exp2 instead of exp.
 
 
-def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, o0_ref,
-                lse0_ref, o_ref, lse_ref, *, scale, bk):  # fmt: skip
+def _fwd_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    qpos_ref,
+    kseg_ref,
+    kpos_ref,
+    o0_ref,
+    lse0_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    bk,
+):
     q = q_ref[...]
     bq, d = q.shape
     qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
@@ -216,8 +231,25 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
-def _dkdv_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, lse_ref,
-                 do_ref, delta_ref, dk_ref, dv_ref, *, scale, bq, groups):  # fmt: skip
+def _dkdv_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    qpos_ref,
+    kseg_ref,
+    kpos_ref,
+    lse_ref,
+    do_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    bq,
+    groups,
+):
     k, v = k_ref[...], v_ref[...]
     bk, d = k.shape
     kseg, kpos = kseg_ref[...][:, None], kpos_ref[...][:, None]
@@ -246,8 +278,24 @@ def _dkdv_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kp
     dv_ref[...] = dv
 
 
-def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, lse_ref,
-               do_ref, delta_ref, dq0_ref, dq_ref, *, scale, bk):  # fmt: skip
+def _dq_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    qpos_ref,
+    kseg_ref,
+    kpos_ref,
+    lse_ref,
+    do_ref,
+    delta_ref,
+    dq0_ref,
+    dq_ref,
+    *,
+    scale,
+    bk,
+):
     q = q_ref[...]
     do = do_ref[...].astype(q.dtype)
     bq, d = q.shape
@@ -451,9 +499,18 @@ def fwd(
     if acc is None:
         acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
     return _fwd(
-        q, k, v, q_seg, q_pos, k_seg, k_pos, *acc, scale=float(scale), tiles=tiles,
+        q,
+        k,
+        v,
+        q_seg,
+        q_pos,
+        k_seg,
+        k_pos,
+        *acc,
+        scale=float(scale),
+        tiles=tiles,
         interpret=interpret,
-    )  # fmt: skip
+    )
 
 
 def bwd(

@@ -37,16 +37,31 @@ MODES = {
     "async": ["rl.max_lag=1", "rl.rollout_mesh.data=1"],
 }
 LARGE = [
-    "model.hidden_size=2048", "model.num_layers=24", "model.num_heads=16",
-    "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=6144",
-    "model.dtype=bfloat16", "model.param_dtype=bfloat16",
-]  # fmt: skip
+    "model.hidden_size=2048",
+    "model.num_layers=24",
+    "model.num_heads=16",
+    "model.num_kv_heads=8",
+    "model.head_dim=128",
+    "model.intermediate_size=6144",
+    "model.dtype=bfloat16",
+    "model.param_dtype=bfloat16",
+]
 SMALL = [
-    "model.hidden_size=32", "model.num_layers=3", "model.head_dim=8", "model.intermediate_size=64",
-    "rl.ttt_steps=1", "rl.sft_batch=16",
-]  # fmt: skip
-COLUMNS = ("step_time", "tokens_per_s", "rollout_time", "train_time", "transfer_time",
-           "accepted_length")  # fmt: skip
+    "model.hidden_size=32",
+    "model.num_layers=3",
+    "model.head_dim=8",
+    "model.intermediate_size=64",
+    "rl.ttt_steps=1",
+    "rl.sft_batch=16",
+]
+COLUMNS = (
+    "step_time",
+    "tokens_per_s",
+    "rollout_time",
+    "train_time",
+    "transfer_time",
+    "accepted_length",
+)
 
 
 def parse_args(argv=None):
@@ -102,8 +117,13 @@ def main(argv=None) -> list[dict]:
             f"this benchmark wants exactly two devices (one rollout, one training); "
             f"{len(jax.devices())} are visible (CUDA_VISIBLE_DEVICES picks two)."
         )
-    overrides = [*(SMALL if args.small else LARGE), "rl.sft_steps=2", "rl.save_every=0",
-                 "rl.keep_checkpoints=1", *args.overrides]  # fmt: skip
+    overrides = [
+        *(SMALL if args.small else LARGE),
+        "rl.sft_steps=2",
+        "rl.save_every=0",
+        "rl.keep_checkpoints=1",
+        *args.overrides,
+    ]
     with tempfile.TemporaryDirectory() as work:
         results = [
             measure(overrides, draft, mode, args, pathlib.Path(work))

@@ -112,14 +112,19 @@ def measure(batch: int, queries: int, args) -> list[dict]:
     expected = jax.jit(xla)(*args_)
     cache_bytes = 2 * batch * args.kv_heads * args.slots * args.head_dim * 2
     row = lambda name, seconds, err: dict(
-        batch=batch, queries=queries, tiling=name, us=1e6 * seconds,
-        gb_per_s=cache_bytes / seconds / 1e9, error=err,
-    )  # fmt: skip
+        batch=batch,
+        queries=queries,
+        tiling=name,
+        us=1e6 * seconds,
+        gb_per_s=cache_bytes / seconds / 1e9,
+        error=err,
+    )
     seconds = lambda f: loop_seconds(trunk_loop(f, args_), args.iters, short=20, long=220)
     rows = [row("xla", seconds(xla), 0.0)]
     for tiling in tilings(args):
-        kernel = functools.partial(pallas_decode.kernel_state, scale=scale, tiling=tiling,
-                                   interpret=args.device == "cpu")  # fmt: skip
+        kernel = functools.partial(
+            pallas_decode.kernel_state, scale=scale, tiling=tiling, interpret=args.device == "cpu"
+        )
         err = error(jax.jit(kernel)(*args_), expected)
         if err > 2e-2:
             raise SystemExit(f"{tiling} at batch {batch}, {queries} queries: error {err:.3g}")
@@ -143,9 +148,12 @@ def main(argv=None):
         xla, default, *_ = shape
         best = min(shape[1:], key=lambda r: r["us"])
         part = lambda label, r: f"{label} {r['us']:8.1f} us ({r['gb_per_s']:5.0f} GB/s)"
-        print(f"batch {batch:4d}, {queries:2d} queries: {part('XLA', xla)} | "
-              f"{part('default', default)} {default['tiling']} | "
-              f"{part('best', best)} {best['tiling']}", flush=True)  # fmt: skip
+        print(
+            f"batch {batch:4d}, {queries:2d} queries: {part('XLA', xla)} | "
+            f"{part('default', default)} {default['tiling']} | "
+            f"{part('best', best)} {best['tiling']}",
+            flush=True,
+        )
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
 
 

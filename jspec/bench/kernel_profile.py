@@ -53,8 +53,10 @@ def loop_kernels(run, log_dir: str, lengths: tuple[int, int], steps: int, top: i
     heaviest = [name for name, _ in total.most_common(top)]
     ops = hlo_ops(heaviest)
     rows = [(k, total[k] / steps, count[k] / steps, ops.get(k, "")) for k in heaviest]
-    print(f"{log_dir}: GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
-          f"{sum(count.values()) / steps:.0f} launches):")  # fmt: skip
+    print(
+        f"{log_dir}: GPU kernels per step ({sum(total.values()) / steps:.2f} ms in all, "
+        f"{sum(count.values()) / steps:.0f} launches):"
+    )
     for name, ms, n, op in rows:
         print(f"  {ms:8.3f} ms {n:6.1f}x  {name[:60]:60s} {op[:120]}")
     return rows

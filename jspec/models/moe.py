@@ -118,8 +118,9 @@ def _exclusive_cumsum(x: Array, axis: int) -> Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
-                                recv_sizes, *, axis_name):  # fmt: skip
+def _ragged_all_to_all_emulated(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
     """`jax.lax.ragged_all_to_all` from a dense `all_to_all`: every slice padded to the operand's
     length (XLA:CPU has no ragged all-to-all)."""
     rows = jnp.arange(operand.shape[0])
@@ -153,15 +154,25 @@ def _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, *, axes, size, ragge
     land_PX = _exclusive_cumsum(runs_PL, axis=1).reshape(-1) + _exclusive_cumsum(counts_PX, 0)
     mine = lambda m_PX: jax.lax.dynamic_slice_in_dim(m_PX, me * local, local, 1).reshape(-1)
     x_RD = ragged_all_to_all(
-        x_AD, jnp.zeros((size * a, x_AD.shape[1]), x_AD.dtype), starts_PX[me], sizes_X,
-        land_PX[me], mine(counts_PX), axis_name=axes,
-    )  # fmt: skip
+        x_AD,
+        jnp.zeros((size * a, x_AD.shape[1]), x_AD.dtype),
+        starts_PX[me],
+        sizes_X,
+        land_PX[me],
+        mine(counts_PX),
+        axis_name=axes,
+    )
     group_sizes = jnp.sum(mine(counts_PX).reshape(size, local), axis=0)
     y_RD = swiglu_experts(x_RD, group_sizes, w_gate, w_up, w_down)
     return ragged_all_to_all(
-        y_RD, jnp.zeros_like(x_AD, y_RD.dtype), mine(land_PX), mine(counts_PX),
-        mine(starts_PX), sizes_X, axis_name=axes,
-    )  # fmt: skip
+        y_RD,
+        jnp.zeros_like(x_AD, y_RD.dtype),
+        mine(land_PX),
+        mine(counts_PX),
+        mine(starts_PX),
+        sizes_X,
+        axis_name=axes,
+    )
 
 
 def experts_forward(
@@ -213,8 +224,16 @@ def sharded_experts_forward(
         def run(x_AD, sizes_X):
             if size == 1:
                 return swiglu_experts(x_AD, sizes_X, w_gate, w_up, w_down)
-            return _exchanged_experts(x_AD, sizes_X, w_gate, w_up, w_down, axes=expert_axes,
-                                      size=size, ragged_all_to_all=ragged_all_to_all)  # fmt: skip
+            return _exchanged_experts(
+                x_AD,
+                sizes_X,
+                w_gate,
+                w_up,
+                w_down,
+                axes=expert_axes,
+                size=size,
+                ragged_all_to_all=ragged_all_to_all,
+            )
 
         y_ND = experts_forward(
             flat(x_BTD), flat(experts_BTK), flat(weights_BTK), w_gate.shape[0] * size, run
@@ -226,9 +245,12 @@ def sharded_experts_forward(
     in_weights = mesh_lib.logical_spec(("expert", "embed", "moe_mlp"))
     out_weights = mesh_lib.logical_spec(("expert", "moe_mlp", "embed"))
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(rows, rows, rows, in_weights, in_weights, out_weights),
-        out_specs=rows, check_vma=True,
-    )(x_BTD, experts_BTK, weights_BTK, w_gate, w_up, w_down)  # fmt: skip
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, in_weights, in_weights, out_weights),
+        out_specs=rows,
+        check_vma=True,
+    )(x_BTD, experts_BTK, weights_BTK, w_gate, w_up, w_down)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +284,9 @@ class MoE(nnx.Module):
         w = lambda p: p[...].astype(dt)
         b, t, d = h_BTD.shape
         logits_BTX = jnp.einsum("btd,dx->btx", h_BTD, w(self.router))
-        weights_BTK, experts_BTK, probs_BTX = route(logits_BTX, c.num_experts_per_tok,
-                                                    c.norm_topk_prob)  # fmt: skip
+        weights_BTK, experts_BTK, probs_BTX = route(
+            logits_BTX, c.num_experts_per_tok, c.norm_topk_prob
+        )
         valid_N = jnp.ones((b * t,), bool) if valid_BT is None else valid_BT.reshape(-1)
         stats = router_stats(probs_BTX.reshape(b * t, -1), experts_BTK.reshape(b * t, -1), valid_N)
         weights_BTK = weights_BTK.astype(dt)

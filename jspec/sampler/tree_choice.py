@@ -113,8 +113,9 @@ class TreeChooser:
     ):
         missing = set(trees) - set(costs.cost)
         if missing:
-            raise ConfigError(f"trees {sorted(missing)} have no measured cost; measured: "
-                              f"{sorted(costs.cost)}.")  # fmt: skip
+            raise ConfigError(
+                f"trees {sorted(missing)} have no measured cost; measured: {sorted(costs.cost)}."
+            )
         self.costs, self.trees = costs, dict(trees)
         self.decay, self.probe_every = decay, probe_every
         self.estimate = {name: float(prior[name]) for name in trees}
@@ -145,8 +146,10 @@ class TreeChooser:
             if missing := set(trees) - set(r["speculative"]):
                 raise ConfigError(f"{path}: batch {r['batch']} has no step of {sorted(missing)}.")
         per_row_step = lambda x: x["accepted_length"] * x.get("busy", 1.0)
-        prior = {t: float(np.mean([per_row_step(r["speculative"][t]) for r in data["rows"]]))
-                 for t in trees}  # fmt: skip
+        prior = {
+            t: float(np.mean([per_row_step(r["speculative"][t]) for r in data["rows"]]))
+            for t in trees
+        }
         prior[None] = float(np.mean([r.get("busy", 1.0) for r in data["rows"]]))
         return cls(StepCosts.from_rows(data["rows"]), trees, prior, **kw)
 

@@ -31,6 +31,16 @@ from jspec.models.draft import (
 from jspec.models.draft_factory import from_config
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
+# A target of the fixture draft's shape.
+FIXTURE_TARGET = ModelConfig(
+    vocab_size=300,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+)
 
 
 def fixture_logits(draft, embedding):
@@ -115,16 +125,7 @@ def test_features_of_another_shape_are_named():
 
 def fitting_target(seed):
     """A random target of the fixture draft's shape; its embedding differs with the seed."""
-    config = ModelConfig(
-        vocab_size=300,
-        hidden_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-    )
-    return create(config, seed=seed)
+    return create(FIXTURE_TARGET, seed=seed)
 
 
 def test_draft_trained_for_another_target_is_refused(tmp_path):
@@ -203,15 +204,7 @@ def test_save_then_load_round_trips_exactly(tmp_path, layout):
 def test_draft_fits_only_a_target_of_its_shape():
     draft, _ = eagle_io.load(FIXTURE)
     layer = draft.config.layer
-    fits = ModelConfig(
-        vocab_size=300,
-        hidden_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-    )
+    fits = FIXTURE_TARGET
     check_target(draft, fits)
     with pytest.raises(ConfigError, match="hidden_size=64 differs from the target's 32"):
         check_target(draft, ModelConfig(**{**vars(fits), "hidden_size": 32}))

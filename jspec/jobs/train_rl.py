@@ -139,10 +139,9 @@ class Run:
     """One run's fixed parts: config, meshes (training, and rollout when split), networks (the
     trainer's, and the sampler's on the rollout mesh), tokenizer, static shapes."""
 
-    def __init__(self, cfg: config_lib.Config, mode: str):
-        cfg, self.tokenizer, self.prompt_width = check(
-            cfg, mode, jax.device_count(), jax.process_count()
-        )
+    def __init__(self, checked: tuple, mode: str):
+        """`checked`: what `check` returned for this mode (the config, tokenizer, prompt width)."""
+        cfg, self.tokenizer, self.prompt_width = checked
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
         self.mesh, self.rollout_mesh = meshes.split_meshes(cfg.mesh, self.rl.rollout_mesh)
         self.trees = None
@@ -399,14 +398,14 @@ def main(argv=None) -> pathlib.Path:
     say, log = messengers(args.quiet)
     use_compilation_cache(args.compilation_cache)
     cfg = config_lib.load(args.config, args.overrides)
-    cfg = check(cfg, args.draft_mode, jax.device_count(), jax.process_count())[0]
-    rl = cfg.rl
+    checked = check(cfg, args.draft_mode, jax.device_count(), jax.process_count())
+    cfg, rl = checked[0], checked[0].rl
     run_dir = cli.run_directory(
         pathlib.Path(args.run_dir or pathlib.Path("runs") / f"{cfg.name}-{args.draft_mode}")
     )
     loop = run_loop(args, cfg, run_dir, limits, say)
     with trainer.resumable(say), loop:
-        run = Run(cfg, args.draft_mode)
+        run = Run(checked, args.draft_mode)
         state, train_step = start_or_resume(run, loop, log)
         if (first := int(state.step)) >= rl.steps:
             say(

@@ -17,10 +17,11 @@ import pytest
 from flax import nnx
 
 from jspec import config as config_lib
+from jspec import tokenizers
 from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError
 from jspec.jobs import train_code_lm, trainer
-from jspec.models import hf_eagle3
+from jspec.models import hf, hf_eagle3
 
 ARGS = (
     "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
@@ -89,6 +90,10 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     params = lambda model: jax.tree.leaves(nnx.state(model, nnx.Param))
     assert {w.dtype for w in params(target) + params(draft)} == {np.dtype("float32")}
     assert prompts.shape == (2, 16) and prompts.max() < 512
+    # target/ is a whole checkpoint for RL (rl.policy=RUN_DIR): weights, tokenizer, its end token
+    policy = hf.model_directory(whole)
+    tokenizer = tokenizers.load(None, None, policy)
+    assert policy == whole / "target" and tokenizer.eos_id == tokenizer.vocab_size - 1 == 511
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):
@@ -105,7 +110,7 @@ def test_a_stage_checkpoint_heals_is_checked_against_the_flags_and_stops(tmp_pat
 
     def loop(*flags):
         args = train_code_lm.parse_args([*ARGS, *flags, "--run-dir", str(tmp_path)])
-        target = train_code_lm.stages(args, mesh=None)[0]
+        target = train_code_lm.stages(args, None, tmp_path)[0]
         return train_code_lm.stage_loop(
             tmp_path, args, model, target, trainer.Limits.from_args(args)
         )

@@ -55,13 +55,20 @@ class RLConfig:
     the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
     always `rollout.tree`.
 
-    `tokenizer`: 'bytes' (the toy demo's byte tokenizer) or the path of a `tokenizer.json`, whose
-    responses end at `eos_token` (`jspec.tokenizers`); `rollout.eos_id`, when unset, is that
+    `policy`: the checkpoint the policy starts from, a Hugging Face directory (config.json,
+    safetensors, tokenizer.json) or a `train_code_lm` run directory (its target/); the `model`
+    section must describe it (`jspec.models.hf.check_config`). None: random weights (the toy
+    demo). The draft starts from `rollout.draft.path` or fresh.
+
+    `tokenizer`: 'bytes' (the toy demo's byte tokenizer) or the path of a `tokenizer.json`; None:
+    the policy checkpoint's, or 'bytes' without one. Responses end at `eos_token` (None: the token
+    its tokenizer_config.json names; `jspec.tokenizers`); `rollout.eos_id`, when unset, is that
     token's id.
     """
 
     task: TaskConfig = TaskConfig()
-    tokenizer: str = "bytes"
+    policy: str | None = None
+    tokenizer: str | None = None
     eos_token: str | None = None
     steps: int = 40
     prompts: int = 8

@@ -10,7 +10,8 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
   4. trains an EAGLE-3 draft on the frozen target's taps and distribution with the co-training
      loss of `jspec.rl.draft_loss` (the training-time test),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
-     writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`.
+     writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`
+     (target/ holds the tokenizer too: `train_rl rl.policy=RUN_DIR` starts RL from it).
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
 stage trains through `jspec.jobs.trainer` (as train_rl does) in `RUN_DIR/training/<stage>/`:
 checkpoints/ every `--save-minutes` (a run that dies resumes from the newest checkpoint of the
@@ -53,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
+from jspec import tokenizers
 from jspec.config import ConfigError, MeshConfig
 from jspec.jobs import cli, trainer
 from jspec.models import create, hf, hf_eagle3
@@ -333,8 +335,16 @@ def evaluate(target, draft, ttt_steps, batches, n: int, bytes_per_token: float) 
     )
 
 
-def stages(args, mesh) -> tuple[Stage, Stage]:
-    """The target's stage and the draft's."""
+def save_target(path: pathlib.Path, target, tokenizer: pathlib.Path) -> None:
+    """The target in the Hugging Face layout with its tokenizer (tokenizer.json, and
+    tokenizer_config.json naming EOS), a checkpoint `train_rl` (rl.policy) and serving engines
+    load whole."""
+    hf.save(path, target)
+    tokenizers.HFTokenizer(tokenizer, EOS).save(path)
+
+
+def stages(args, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
+    """The target's stage and the draft's (of the run directory `run`)."""
     target = Stage(
         "target",
         args.steps,
@@ -342,7 +352,7 @@ def stages(args, mesh) -> tuple[Stage, Stage]:
         target_loss,
         "loss",
         ("steps", "learning_rate"),
-        hf.save,
+        lambda path, module: save_target(path, module, run / "tokenizer.json"),
         lambda path: hf.load(path, mesh),
     )
     draft = Stage(
@@ -463,7 +473,7 @@ def main(argv=None):
     unfinished = lambda stage: not (run / stage.name).is_dir()
     loops = {
         s: stage_loop(run, args, cfg, s, limits) if unfinished(s) else None
-        for s in stages(args, mesh)
+        for s in stages(args, mesh, run)
     }
     say = lambda msg: print(msg, flush=True)
     with trainer.resumable(say), contextlib.ExitStack() as closing:

@@ -5,16 +5,21 @@
     python -m jspec.jobs.train_rl --draft-mode none         # plain decoding, no draft
     python -m jspec.jobs.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
     python -m jspec.jobs.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
+    python -m jspec.jobs.train_rl --config code-rl rl.policy=runs/code \
+        rollout.draft.path=runs/code/draft         # a trained code model and its draft (below)
 
-The warm start trains the policy on the task's worked answers and the draft on the policy's own
-features (the same train step, a supervised objective), so RL starts from a policy that sometimes
-succeeds and a draft that is already useful. Each RL step then draws prompts, samples a group of
-responses per prompt with `jspec.sampler.generate` (the draft of the current TrainState proposes,
-the policy verifies), scores them exactly, and makes one update of policy and draft.
+The policy starts from random weights (the toy demo), or from a checkpoint (rl.policy: a Hugging
+Face directory, or a train_code_lm run directory) with its tokenizer.json; the draft from
+rollout.draft.path (the public EAGLE-3 layout) or fresh. The warm start trains the policy on the
+task's worked answers and the draft on the policy's own features (the same train step, a supervised
+objective), so RL starts from a policy that sometimes succeeds and a draft that is already useful.
+Each RL step then draws prompts, samples a group of responses per prompt with
+`jspec.sampler.generate` (the draft of the current TrainState proposes, the policy verifies),
+scores them exactly, and makes one update of policy and draft.
 
 Asynchronous RL (`train`): with rl.rollout_mesh the last devices sample and the rest train; with
-rl.max_lag = k >= 1 the rollouts of step n + 1 run while step n trains, on weights k steps old
-(the loss's importance ratio uses the log-probabilities recorded under them), and the new policy and
+rl.max_lag = k >= 1 the rollouts of step n + 1 run while step n trains, on weights k steps old (the
+loss's importance ratio uses the log-probabilities recorded under them), and the new policy and
 draft weights move to the sampler after each train step, device to device.
 
 On many hosts (`jspec-launch train_rl ...`, jspec.jobs.distributed) each process builds, samples
@@ -22,11 +27,13 @@ and scores only the rows its devices hold (`jspec.hosts`); process 0 writes metr
 every process takes part in each orbax checkpoint (the run directory must be shared).
 
 Writes to --run-dir (default runs/<config>-<draft> in the working directory): metrics.jsonl (one
-line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s,
-rollout / train / weight transfer / step time, the lag of the batch's weights in steps),
-TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
-steps and at the last, with the config beside; `jspec.jobs.trainer`, shared with train_code_lm).
-Run again to resume from the latest checkpoint. `--stop-after MINUTES` (a time limit) and
+line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s, rollout
+/ train / weight transfer / step time, the lag of the batch's weights in steps), TensorBoard events
+when tensorboardX is installed, and checkpoints/ (async, every rl.save_every steps and at the last,
+with the config beside; `jspec.jobs.trainer`, shared with train_code_lm). Run again to resume from
+the latest checkpoint. A run that completes writes export/: the policy in the Hugging Face layout
+with its tokenizer, and the draft in the public EAGLE-3 layout, for a serving engine (`--export`
+writes the latest checkpoint's at any time). `--stop-after MINUTES` (a time limit) and
 `--stop-after-steps N` stop the run early with its step saved and exit status 75; the same command
 resumes it. `jspec/jobs/plot_runs.py` draws several runs' metrics.
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import shutil
 import sys
 import time
 from concurrent.futures import Future
@@ -51,8 +59,7 @@ from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError
 from jspec.jobs import cli, trainer
-from jspec.models import create
-from jspec.models.draft_factory import from_config as draft_from_config
+from jspec.models import create, draft_factory, hf, hf_eagle3
 from jspec.rl import grpo, meshes, packing, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
@@ -60,6 +67,8 @@ from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
 from jspec.sampler.generation import decode_rows, row_shards
 from jspec.sampler.tree_choice import TreeChooser
+
+EXPORT = "export"  # RUN_DIR/export/: the policy and draft in the layouts serving engines load
 
 
 def parse_args(argv=None):
@@ -69,6 +78,12 @@ def parse_args(argv=None):
     p.add_argument("--draft-mode", default="cotrain", choices=("cotrain", "frozen", "none"))
     p.add_argument("--run-dir", default=None, help="default: runs/<config>-<draft>")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no progress lines")
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help=f"write the latest checkpoint's policy and draft to RUN_DIR/{EXPORT}/ and exit (a run "
+        "that completes exports itself)",
+    )
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
     p.add_argument(
         "--compilation-cache",
@@ -106,9 +121,12 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
             f"{cfg.rollout.draft.kind!r}; set rollout.draft.kind=eagle3, or pass --draft-mode none."
         )
+    if mode != "none":
+        draft_factory.check_config(cfg.rollout.draft, cfg.model)
     if rl.tree_costs is not None and mode != "none":
         TreeChooser.from_bench(rl.tree_costs)  # the file reads and names its trees
-    tokenizer = tokenizers.load(rl.tokenizer, rl.eos_token)
+    policy = _check_policy(cfg)
+    tokenizer = tokenizers.load(rl.tokenizer, rl.eos_token, policy)
     if cfg.rollout.eos_id is None:
         cfg = dataclasses.replace(
             cfg, rollout=dataclasses.replace(cfg.rollout, eos_id=tokenizer.eos_id)
@@ -122,15 +140,37 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
     return cfg, tokenizer, _check_widths(cfg, tokenizer)
 
 
+def _check_policy(cfg: config_lib.Config) -> pathlib.Path | None:
+    """The model directory of the checkpoint rl.policy names (None: random weights), checked
+    against the model section."""
+    if cfg.rl.policy is None:
+        return None
+    if cfg.pipeline.stages > 1:
+        raise ConfigError(
+            f"rl.policy={cfg.rl.policy!r} with pipeline.stages={cfg.pipeline.stages}: loading a "
+            "checkpoint into pipeline stages is not supported yet; set pipeline.stages=1."
+        )
+    directory = hf.model_directory(cfg.rl.policy)
+    hf.check_config(directory, cfg.model)
+    return directory
+
+
 def _check_widths(cfg: config_lib.Config, tokenizer) -> int:
     """The widest prompt of the run's tasks in tokens; an error when the longest worked answer
-    does not fit in rollout.max_new_tokens."""
+    does not fit in rollout.max_new_tokens, or a prompt and a response not in the model's
+    context."""
     prompts, answers = tasks.widths(cfg.rl.task, tokenizer, cfg.seed)
-    if answers + 1 > cfg.rollout.max_new_tokens:
+    new = cfg.rollout.max_new_tokens
+    if answers + 1 > new:
         raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} cannot hold the task's worked "
-            f"answers of up to {answers} tokens plus the end token; raise it to at least "
-            f"{answers + 1}."
+            f"rollout.max_new_tokens={new} cannot hold the task's worked answers of up to "
+            f"{answers} tokens plus the end token; raise it to at least {answers + 1}."
+        )
+    if prompts + new > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"the task's prompts of up to {prompts} tokens plus rollout.max_new_tokens={new} "
+            f"exceed the model's context, model.max_seq_len={cfg.model.max_seq_len}; lower "
+            "max_new_tokens or the task's difficulty."
         )
     return prompts
 
@@ -150,22 +190,25 @@ class Run:
         self.networks, self.initial_params = self._build(self.mesh)
         self.sampler_networks = self.networks
         if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later
-            self.sampler_networks = self._build(self.rollout_mesh)[0]
+            self.sampler_networks = self._build(self.rollout_mesh, load=False)[0]
         self.rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["batch"]))
         self.decode_rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
         self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
 
-    def _build(self, mesh) -> tuple[Networks, dict]:
-        """(Networks, params) of the policy and the draft created on `mesh`; the policy
-        pipelined over the mesh's stage axis when the config asks for stages."""
+    def _build(self, mesh, load: bool = True) -> tuple[Networks, dict]:
+        """(Networks, params) of the policy and the draft created on `mesh`: the policy loaded
+        from rl.policy when `load` and it names one, or pipelined over the mesh's stage axis when
+        the config asks for stages, else randomly initialised."""
         cfg = self.cfg
-        if cfg.pipeline.stages > 1:
+        if load and self.rl.policy is not None:
+            policy = hf.load(hf.model_directory(self.rl.policy), mesh, config=cfg.model)
+        elif cfg.pipeline.stages > 1:
             policy = pipeline.create(cfg.model, cfg.pipeline, mesh=mesh, seed=cfg.seed)
         else:
             policy = create(cfg.model, mesh=mesh, seed=cfg.seed)
         draft = None
         if self.mode != "none":
-            draft = draft_from_config(self.cfg.rollout.draft, policy, mesh=mesh)
+            draft = draft_factory.from_config(self.cfg.rollout.draft, policy, mesh=mesh)
         return Networks.split(policy, draft, mesh)
 
     def sequences(self, count: int) -> slice:
@@ -248,7 +291,7 @@ class InFlight(NamedTuple):
     version: int
     tree: str | None  # the name of the tree `Run.trees` chose (None: as configured, or plain)
     rows: slice
-    group: list[tasks.Problem]
+    group: list  # this process's problems, one per sequence
     prompts: np.ndarray
     prompt_lengths: np.ndarray
     out: Future[Rollout]  # dispatched from the sampler's thread
@@ -281,7 +324,7 @@ def finish_rollout(run: Run, job: InFlight):
     tokens, lengths, logprobs = (hosts.host_rows(x, mine) for x in out[:3])
     seconds = time.perf_counter() - job.start
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
-    rewards = np.asarray([tasks.reward(p, r) for p, r in zip(job.group, responses, strict=True)])
+    rewards = tasks.rewards(rl.task, job.step, job.group, responses)
     advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
     packed = packing.pack(
         job.prompts,
@@ -329,7 +372,7 @@ def start_or_resume(run: Run, loop: trainer.TrainLoop, log):
     return state, step
 
 
-def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool) -> None:
+def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
     """The RL loop, synchronous or asynchronous, from the steps `state` has done to rl.steps (or
     a limit of the run: `loop` saves and stops it). The rollouts of step s are generated with the
     weights of step max(s - rl.max_lag, first step); those of the steps ahead are dispatched
@@ -361,6 +404,31 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool) -> 
             loop.step_done(step + 1, state, metrics)
     finally:
         sampler.close()
+    return state
+
+
+def export(run: Run, state, directory: pathlib.Path, say) -> None:
+    """The policy of `state` in the Hugging Face layout with its tokenizer (`directory`/policy)
+    and its draft in the public EAGLE-3 layout (`directory`/draft), which `transformers` and
+    serving engines load; written beside and then moved into place, so a partial export is never
+    read."""
+    if run.cfg.pipeline.stages > 1:
+        say(f"{directory}: not written; exporting a pipelined policy is not supported yet.")
+        return
+    partial = directory.with_name(directory.name + ".partial")
+    if hosts.is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+    policy, draft = run.networks.models(state.params)
+    hf.save(partial / "policy", policy)
+    if draft is not None:
+        hf_eagle3.save(partial / "draft", draft)
+    if hosts.is_main():
+        if isinstance(run.tokenizer, tokenizers.HFTokenizer):
+            run.tokenizer.save(partial / "policy")
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.rename(directory)
+    what = "the policy" if draft is None else "the policy and draft"
+    say(f"exported {what} of step {int(state.step)} to {directory}")
 
 
 def messengers(quiet: bool):
@@ -405,13 +473,20 @@ def main(argv=None) -> pathlib.Path:
     )
     loop = run_loop(args, cfg, run_dir, limits, say)
     with trainer.resumable(say), loop:
+        if args.export and not loop.checkpoints.steps():
+            raise ConfigError(f"--export: {run_dir} holds no checkpoint to export; train first.")
         run = Run(checked, args.draft_mode)
         state, train_step = start_or_resume(run, loop, log)
+        if args.export:
+            export(run, state, run_dir / EXPORT, say)
+            return run_dir
         if (first := int(state.step)) >= rl.steps:
             say(
                 f"{run_dir}: already complete at step {first} (rl.steps={rl.steps}); raise "
                 "rl.steps to train on."
             )
+            if not (run_dir / EXPORT).is_dir():
+                export(run, state, run_dir / EXPORT, say)
             return run_dir
         log(
             f"metrics: {loop.metrics_path}; checkpoints: {loop.checkpoints.directory} (every "
@@ -421,7 +496,8 @@ def main(argv=None) -> pathlib.Path:
             f"step {first} compiles the rollout and the train step; the time estimate settles "
             "after it"
         )
-        train(run, state, train_step, loop, args.quiet or not hosts.is_main())
+        state = train(run, state, train_step, loop, args.quiet or not hosts.is_main())
+        export(run, state, run_dir / EXPORT, say)
     return run_dir
 
 

@@ -125,6 +125,10 @@ class Limits:
             return "the time limit"
         return None
 
+    def minutes_left(self) -> float | None:
+        """Minutes to the time limit (None: none), for a run that hands what is left to another."""
+        return None if self.deadline is None else (self.deadline - time.perf_counter()) / 60
+
     def last_step(self, first: int, total: int) -> int:
         """Where a loop from step `first` of `total` ends, unless the time limit comes first."""
         return total if self.steps is None else min(total, first + self.steps - self.taken)

@@ -87,27 +87,32 @@ class Draft(Protocol):
     def for_rollout(self) -> Draft: ...  # this draft in the layout a loop of steps wants
 
 
+def check_eagle3_config(c: Eagle3Config, target: ModelConfig) -> None:
+    """Raises ConfigError when an EAGLE-3 draft of config `c` cannot serve this target: what its
+    config.json tells, before any weight is read."""
+    target.check_taps("target model")
+    if c.layer.hidden_size != target.hidden_size:
+        raise ConfigError(
+            f"the EAGLE-3 draft's hidden_size={c.layer.hidden_size} differs from the target's "
+            f"{target.hidden_size}: the draft reads the target's embeddings and taps; use a "
+            "draft trained for this target."
+        )
+    if c.num_taps != len(target.taps):
+        raise ConfigError(
+            f"the EAGLE-3 draft fuses {c.num_taps} taps but the target gives "
+            f"{len(target.taps)} (model.tap_layers={target.taps})."
+        )
+    if c.layer.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the EAGLE-3 draft maps its vocabulary into {c.layer.vocab_size} target tokens, "
+            f"but the target's vocabulary has {target.vocab_size} (d2t/t2d do not match)."
+        )
+
+
 def check_target(draft, target: ModelConfig) -> None:
     """Raises ConfigError when the draft cannot serve this target (before any compilation)."""
     if isinstance(draft, Eagle3Draft):
-        c = draft.config
-        target.check_taps("target model")
-        if c.layer.hidden_size != target.hidden_size:
-            raise ConfigError(
-                f"the EAGLE-3 draft's hidden_size={c.layer.hidden_size} differs from the target's "
-                f"{target.hidden_size}: the draft reads the target's embeddings and taps; use a "
-                "draft trained for this target."
-            )
-        if c.num_taps != len(target.taps):
-            raise ConfigError(
-                f"the EAGLE-3 draft fuses {c.num_taps} taps but the target gives "
-                f"{len(target.taps)} (model.tap_layers={target.taps})."
-            )
-        if c.layer.vocab_size != target.vocab_size:
-            raise ConfigError(
-                f"the EAGLE-3 draft maps its vocabulary into {c.layer.vocab_size} target tokens, "
-                f"but the target's vocabulary has {target.vocab_size} (d2t/t2d do not match)."
-            )
+        check_eagle3_config(draft.config, target)
         ids = np.asarray(jax.device_get(draft.target_ids[...]))
         if ids.min() < 0 or ids.max() >= target.vocab_size or np.unique(ids).size != ids.size:
             raise ConfigError(

@@ -4,11 +4,35 @@ against the target. It sits apart from `draft` (the models) because the loaders 
 
 from __future__ import annotations
 
+import pathlib
+
 from jax.sharding import Mesh
 
+from jspec.config import DraftConfig, ModelConfig
 from jspec.models import hf, hf_eagle3
-from jspec.models.draft import Eagle3Config, ExternalDraft, check_target, create_eagle3
+from jspec.models.draft import (
+    Eagle3Config,
+    ExternalDraft,
+    check_eagle3_config,
+    check_target,
+    create_eagle3,
+)
 from jspec.models.transformer import Transformer, create
+
+
+def check_config(config: DraftConfig, target: ModelConfig) -> None:
+    """Raises ConfigError when the draft `config` describes cannot serve `target`, from configs
+    alone (a checkpoint's config.json, not its weights): before anything is built."""
+    config.validate()
+    if config.kind == "eagle3" and config.path is not None:
+        path = pathlib.Path(config.path)
+        if not (path / hf.CONFIG).is_file():
+            raise hf.CheckpointNotFoundError(
+                f"rollout.draft.path={config.path!r} holds no {hf.CONFIG}; point at an EAGLE-3 "
+                "draft directory (config.json and model.safetensors, e.g. train_code_lm's "
+                "RUN/draft), or leave it unset for a fresh draft."
+            )
+        check_eagle3_config(hf_eagle3.config_from_json(hf.read_json(path / hf.CONFIG)), target)
 
 
 def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):

@@ -163,6 +163,43 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     return dataclasses.replace(config, **overrides)
 
 
+# ModelConfig fields a run chooses for itself, whatever the checkpoint: how it computes, how long
+# its sequences are, what it taps, how it weights the load-balancing loss.
+RUN_FIELDS = ("dtype", "param_dtype", "remat", "tap_layers", "max_seq_len", "router_aux_loss_coef")
+
+
+def model_directory(path: str | pathlib.Path) -> pathlib.Path:
+    """The Hugging Face model directory at `path`, or the target/ of a `train_code_lm` run
+    directory `path`."""
+    root = pathlib.Path(path)
+    for candidate in (root, root / "target"):
+        if (candidate / CONFIG).is_file():
+            return candidate
+    raise CheckpointNotFoundError(
+        f"{root / CONFIG} not found; point at a Hugging Face checkpoint directory ({CONFIG}, "
+        f"{SINGLE} or {INDEX}, tokenizer.json) or a train_code_lm run directory (its target/)."
+    )
+
+
+def check_config(path: str | pathlib.Path, config: ModelConfig, where: str = "model") -> None:
+    """Raises CheckpointError naming every field but RUN_FIELDS in which `config` differs from
+    the config.json of the checkpoint at `path`: its weights would not fit, or not mean the same."""
+    root = pathlib.Path(path)
+    theirs = config_from_hf(read_json(root / CONFIG))
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUN_FIELDS]
+    differ = [n for n in fields if getattr(config, n) != getattr(theirs, n)]
+    if differ:
+        listed = ", ".join(
+            f"{where}.{n}={getattr(config, n)!r} (the checkpoint's {getattr(theirs, n)!r})"
+            for n in differ
+        )
+        raise CheckpointError(
+            f"the checkpoint {root} is another model than the config's: {listed}; set these "
+            f"fields to the checkpoint's (or use a config written for it), or point at another "
+            "checkpoint."
+        )
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face `config.json` dict of a ModelConfig (Qwen3-MoE iff it has experts, else
     Qwen3 iff qk_norm, else Llama)."""
@@ -313,13 +350,19 @@ class _Reader:
 
 
 def load(
-    path: str | pathlib.Path, mesh: Mesh | None = None, dtype: str | None = None, **overrides: Any
+    path: str | pathlib.Path,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    *,
+    config: ModelConfig | None = None,
+    **overrides: Any,
 ) -> Transformer:
     """A Transformer from a Hugging Face checkpoint directory.
 
     `mesh`: parameters are placed sharded by their logical axes as they load. `dtype`: parameter
     and compute dtype ('float32', 'bfloat16', 'float16'; None keeps the checkpoint's). `overrides`:
-    other ModelConfig fields (e.g. `tap_layers=(1, 2, 3)`, `remat='dots'`).
+    other ModelConfig fields (e.g. `tap_layers=(1, 2, 3)`, `remat='dots'`). `config`: a run's whole
+    model config instead (checked against the checkpoint's by `check_config`).
     """
     root = pathlib.Path(path)
     if not (root / CONFIG).is_file():
@@ -327,9 +370,12 @@ def load(
             f"{root / CONFIG} not found; point at a Hugging Face checkpoint directory (it holds "
             f"{CONFIG} and {SINGLE} or {INDEX})."
         )
-    if dtype is not None:
-        overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
-    config = config_from_hf(read_json(root / CONFIG), **overrides)
+    if config is not None:
+        check_config(root, config)
+    else:
+        if dtype is not None:
+            overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+        config = config_from_hf(read_json(root / CONFIG), **overrides)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, state = nnx.split(abstract)
     np_dtype = np.dtype(jnp.dtype(config.param_dtype))
@@ -355,21 +401,33 @@ def load(
 # Export.
 
 
+def host_array(x: Any) -> np.ndarray:
+    """The whole value of `x` on this host, gathered from every process when it spans several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
 def save(
     path: str | pathlib.Path, model: Transformer, *, max_shard_bytes: int | None = None
 ) -> None:
     """Writes `config.json` and the weights in the Hugging Face layout, loadable by `transformers`.
 
     With `max_shard_bytes`, weights larger than that are split into numbered shard files plus
-    `model.safetensors.index.json`. Gathers each parameter to this host: single-host models only.
+    `model.safetensors.index.json`. Every process gathers each whole parameter (`host_array`: a
+    collective, so all call it) and process 0 writes; the model must fit in one host's memory.
     """
+    tensors: dict[str, np.ndarray] = {}
+    for param, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        host = host_array(var[...])
+        keys, n_in = _tensors(param, model.config)
+        tensors.update({key: _to_hf(host[at], n_in) for key, at in keys})
+    if jax.process_index() != 0:
+        return
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        host = np.asarray(jax.device_get(var[...]))
-        keys, n_in = _tensors(path, model.config)
-        tensors.update({key: _to_hf(host[at], n_in) for key, at in keys})
     (root / CONFIG).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     total = sum(w.nbytes for w in tensors.values())

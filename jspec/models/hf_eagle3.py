@@ -270,23 +270,25 @@ def save(
 ) -> None:
     """Writes the draft in the public layout (`layout` 'eagle' or 'speculators'), loadable by
     `load` and by engines that serve EAGLE-3 drafts; `embedding` [V,D] (the target's) is written
-    as `embed_tokens.weight` for engines that want the draft to carry it."""
+    as `embed_tokens.weight` for engines that want the draft to carry it. Every process gathers
+    the weights (a collective: all call it) and process 0 writes, as `hf.save`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}.")
-    root = pathlib.Path(path)
-    root.mkdir(parents=True, exist_ok=True)
     config = draft.config
     tensors: dict[str, np.ndarray] = {}
     for (name,), var in nnx.to_flat_state(nnx.state(draft, nnx.Param)):
         key, n_in = _KEYS[name]
-        host = np.asarray(jax.device_get(var[...]))
-        tensors[key.format(layer=LAYOUTS[layout])] = hf._to_hf(host, n_in)
-    ids = np.asarray(jax.device_get(draft.target_ids[...])).astype(np.int64)
+        tensors[key.format(layer=LAYOUTS[layout])] = hf._to_hf(hf.host_array(var[...]), n_in)
+    ids = hf.host_array(draft.target_ids[...]).astype(np.int64)
     tensors["d2t"] = ids - np.arange(ids.size)
     t2d = np.zeros(config.layer.vocab_size, bool)
     t2d[ids] = True
     tensors["t2d"] = t2d
     if embedding is not None:
-        tensors[EMBED] = np.ascontiguousarray(np.asarray(jax.device_get(embedding)))
+        tensors[EMBED] = np.ascontiguousarray(hf.host_array(embedding))
+    if jax.process_index() != 0:
+        return
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
     (root / hf.CONFIG).write_text(json.dumps(config_to_json(config), indent=2) + "\n")
     save_file(tensors, root / hf.SINGLE, metadata={"format": "pt"})

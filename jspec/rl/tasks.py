@@ -1,14 +1,17 @@
 """Verifiable tasks with exact rewards, and their prompts and answers as tokens.
 
-Each task makes a `Problem` (a prompt and its worked reference answer) from a numpy generator, and
-scores a response by its final answer alone, exactly: 1.0 when it is right, 0.0 otherwise. The
-worked answers are long and regular (a draft has much to predict) and their difficulty is a knob
-(digits, list or string length), so a tiny model learns the easy setting in minutes on a CPU and a
-shift to a harder one (`TaskConfig.shift_step`) makes the policy move part-way through a run.
+A task (`Task`) makes a problem (a prompt and its worked reference answer) from a numpy generator
+at a difficulty, and scores a batch of responses, exactly. The arithmetic tasks score a response by
+its final answer alone (1.0 right, 0.0 otherwise); their worked answers are long and regular (a
+draft has much to predict) and their difficulty (digits, list or string length) is a knob, so a
+tiny model learns the easy setting in minutes on a CPU and a shift to a harder one
+(`TaskConfig.shift_step`) makes the policy move part-way through a run.
 
     addition  "47+85="          -> "7+5+0=12,4+8+1=13;132"   columns from the right, with carries
     sorting   "sort 3142="      -> "1234"
     counting  "count 1 in 3121=" -> "1:1,2:0,3:1,4:0;2"       a running tally, then the count
+    code      "def solve(values): ..." -> its body, scored by hidden tests run in a sandbox
+              (`jspec.rl.code_task`: for a code model; difficulty is the number of steps)
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jspec.config import ConfigError, TaskConfig
+from jspec.rl import code_task
 
 ANSWER_MARK = ";"  # a worked answer ends with ANSWER_MARK and the final answer
 
@@ -66,10 +71,23 @@ def _counting(rng: np.random.Generator, difficulty: int) -> Problem:
     return Problem(f"count {target} in {text}=", f"{tally}{ANSWER_MARK}{text.count(target)}")
 
 
-TASKS: dict[str, Callable[[np.random.Generator, int], Problem]] = {
-    "addition": _addition,
-    "sorting": _sorting,
-    "counting": _counting,
+def _exactly(problems: Sequence[Problem], responses: Sequence[str]) -> np.ndarray:
+    return np.asarray([reward(p, r) for p, r in zip(problems, responses, strict=True)])
+
+
+class Task(NamedTuple):
+    """A problem maker (a generator and a difficulty in; a problem with `prompt` and `answer`,
+    the worked reference response, out) and the scorer of a batch of its responses."""
+
+    make: Callable[[np.random.Generator, int], Any]
+    score: Callable[[Sequence[Any], Sequence[str]], np.ndarray]
+
+
+TASKS: dict[str, Task] = {
+    "addition": Task(_addition, _exactly),
+    "sorting": Task(_sorting, _exactly),
+    "counting": Task(_counting, _exactly),
+    "code": Task(code_task.problem, code_task.score),
 }
 
 
@@ -97,15 +115,18 @@ def task_at(config: TaskConfig, step: int) -> tuple[str, int]:
     return config.name, config.difficulty
 
 
-def problems(
-    config: TaskConfig, step: int, count: int, seed: int, stream: int = 0
-) -> list[Problem]:
+def problems(config: TaskConfig, step: int, count: int, seed: int, stream: int = 0) -> list:
     """`count` problems of the task in effect at `step`, the same for the same (seed, stream,
     step); streams keep data apart (0: RL prompts, 1: the SFT warm start)."""
     name, difficulty = task_at(config, step)
     check_task(name)
     rng = np.random.default_rng((seed, stream, step))
-    return [TASKS[name](rng, difficulty) for _ in range(count)]
+    return [TASKS[name].make(rng, difficulty) for _ in range(count)]
+
+
+def rewards(config: TaskConfig, step: int, batch: Sequence[Any], responses: Sequence[str]):
+    """The rewards [B] of `responses` to the problems `batch` of RL step `step`."""
+    return TASKS[task_at(config, step)[0]].score(batch, responses)
 
 
 def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 64) -> tuple[int, int]:
@@ -126,16 +147,13 @@ def _pad_rows(rows: list[list[int]], width: int, fill: int) -> tuple[np.ndarray,
     return tokens, lengths
 
 
-def encode_prompts(
-    tokenizer, batch: Sequence[Problem], width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded prompt tokens [B, width] and their lengths [B] (int32)."""
-    return _pad_rows([tokenizer.encode(p.prompt) for p in batch], width, 0)
+def encode_prompts(tokenizer, batch: Sequence[Any], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens right-padded with the tokenizer's padding id [B, width], and their lengths
+    [B] (int32)."""
+    return _pad_rows([tokenizer.encode(p.prompt) for p in batch], width, tokenizer.pad_id)
 
 
-def encode_answers(
-    tokenizer, batch: Sequence[Problem], width: int
-) -> tuple[np.ndarray, np.ndarray]:
+def encode_answers(tokenizer, batch: Sequence[Any], width: int) -> tuple[np.ndarray, np.ndarray]:
     """Reference responses with the end-of-sequence token, right-padded with -1 [B, width], and
     their lengths."""
     return _pad_rows([tokenizer.encode(p.answer) + [tokenizer.eos_id] for p in batch], width, -1)

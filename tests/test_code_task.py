@@ -1,0 +1,87 @@
+"""The code-writing task: its reference answers pass their hidden tests, wrong, hanging and
+crashing bodies do not, the reward cannot be had by printing, and problems are reproducible."""
+
+import numpy as np
+import pytest
+
+from jspec.rl import code_task
+
+
+def problems(difficulty: int, seeds: range) -> list[code_task.CodeProblem]:
+    return [code_task.problem(np.random.default_rng(seed), difficulty) for seed in seeds]
+
+
+def test_the_reference_answer_passes_every_hidden_test():
+    batch = [p for d in range(1, 9) for p in problems(d, range(6))]
+    assert code_task.score(batch, [p.answer for p in batch]).tolist() == [1.0] * len(batch)
+
+
+def test_a_body_that_leaves_out_a_step_or_returns_early_fails_a_test():
+    """Problems are drawn so the hidden tests tell every step (and returning [] passes one test
+    at most)."""
+    batch, responses = [], []
+    for p in problems(4, range(4)):
+        chunks = p.answer.split("    # ")[1:]  # each step: its comment, then its code
+        for i in range(len(chunks)):
+            batch.append(p)
+            responses.append("".join("    # " + c for j, c in enumerate(chunks) if j != i))
+        batch += [p, p]
+        responses += ["    return values\n", "    return []\n"]
+    rewards = code_task.score(batch, responses)
+    assert (rewards < 1).all()
+    empty = np.asarray(responses) == "    return []\n"
+    assert (rewards[empty] <= 1 / code_task.HIDDEN).all()
+
+
+def test_hangs_crashes_and_bad_syntax_score_zero():
+    p = code_task.problem(np.random.default_rng(0), 3)
+    responses = [
+        "    while True:\n        pass\n",
+        "    raise ValueError('no')\n",
+        "    return values[\n",
+        "    import os\n    os._exit(0)\n",
+        "    x = bytearray(10**10)\n",
+        "return values\n",  # outside the function
+    ]
+    assert code_task.score([p] * len(responses), responses).tolist() == [0.0] * len(responses)
+
+
+def test_printing_a_count_or_a_lookalike_does_not_score():
+    p = code_task.problem(np.random.default_rng(1), 3)
+    forged = [
+        "    return []\nprint(6)\nprint('0 6')\nimport sys\nsys.exit(0)\n",
+        "    return []\nimport atexit\natexit.register(print, 'passed', 6)\n",
+        "    class Equal(list):\n        def __eq__(self, other):\n            return True\n"
+        "    return Equal()\n",
+    ]
+    assert code_task.score([p] * len(forged), forged).tolist() == [0.0] * len(forged)
+
+
+def test_the_harness_runs_after_any_ending_of_the_response():
+    p = code_task.problem(np.random.default_rng(2), 5)
+    endings = [p.answer.rstrip("\n"), p.answer + "        ", p.answer + "\nprint(solve([1, 2]))\n"]
+    assert code_task.score([p] * len(endings), endings).tolist() == [1.0] * len(endings)
+
+
+def test_problems_are_reproducible_and_vary():
+    assert problems(5, range(3)) == problems(5, range(3))
+    assert len({p.prompt for p in problems(5, range(20))}) == 20
+
+
+@pytest.mark.parametrize("difficulty", range(1, 9))
+def test_the_prompt_lists_the_steps_and_hides_the_tests(difficulty):
+    for p in problems(difficulty, range(10)):
+        assert p.prompt.startswith("def solve(values):\n") and p.prompt.endswith('    """\n')
+        assert p.prompt.count("\n    - ") == difficulty
+        assert p.prompt.count(">>> solve(") == code_task.EXAMPLES
+        assert len(p.tests) == code_task.HIDDEN
+        for given, _ in p.tests:
+            assert f"solve({list(given)})" not in p.prompt
+        assert p.answer.endswith("    return values\n")
+
+
+def test_difficulty_is_a_number_of_steps():
+    assert len(code_task.KINDS) >= 12
+    for difficulty in (0, 9):
+        with pytest.raises(ValueError, match="difficulty"):
+            code_task.problem(np.random.default_rng(0), difficulty)

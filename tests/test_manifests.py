@@ -12,6 +12,7 @@ import yaml
 
 from jspec import config as config_lib
 from jspec.jobs import train_rl
+from jspec.rl import tasks
 
 LAUNCH = pathlib.Path(__file__).resolve().parent.parent / "launch"
 
@@ -52,9 +53,25 @@ def rl_configs() -> list[str]:
     return [n for n in names if config_lib.load(n).rl is not None]
 
 
+def task_tokenizer(directory, task) -> str:
+    """A byte-level BPE of the task's own text (a code model's stand-in, for the code task whose
+    answers do not fit the rollouts in bytes), ending at <eos>, as a tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [t for p in tasks.problems(task, 0, 200, seed=0) for t in (p.prompt, p.answer)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<eos>"]))
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory / "tokenizer.json")
+
+
 @pytest.mark.parametrize("name", rl_configs())
-def test_every_shipped_rl_config_passes_the_trainers_validation(name):
+def test_every_shipped_rl_config_passes_the_trainers_validation(name, tmp_path):
     cfg = config_lib.load(name)
+    if cfg.rl.task.name == "code":  # for a trained code model (rl.policy), with its BPE
+        bpe = task_tokenizer(tmp_path, cfg.rl.task)
+        cfg = config_lib.load(name, [f"rl.tokenizer={bpe}", "rl.eos_token=<eos>"])
     sizes = [getattr(cfg.mesh, axis) for axis in ("data", "stage", "context", "tensor")]
     devices = 8 if -1 in sizes else math.prod(sizes)
     train_rl.check(cfg, "cotrain", devices)

@@ -96,8 +96,8 @@ def test_a_hugging_face_policy_trains_by_rl_and_its_export_reloads(tmp_path, pol
     assert int(state.step) == 2
     policy, draft = run.networks.models(state.params)
 
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 12)), jnp.int32)
-    reloaded = hf.load(export / "policy")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (8, 12)), jnp.int32)
+    reloaded = hf.load(export / "policy", run.mesh)  # placed as the trained one: the same program
     np.testing.assert_array_equal(jspec_logits(reloaded, tokens), jspec_logits(policy, tokens))
     # The steps moved the policy, from the checkpoint's weights
     start, now = (np.ravel(m.embed[...]) for m in (hf.load(policy_dir), policy))

@@ -177,4 +177,4 @@ def test_bad_input_gets_its_message_and_status_2(
 
 
 def test_the_table_covers_the_bad_inputs_tried():
-    assert len(table_rows()) == 9
+    assert len(table_rows()) == 10

@@ -110,11 +110,14 @@ def summarize_mode(runs: list[list[dict]]) -> dict:
         "agreement_last": _mean(runs, "agreement", last),
         "response_length": float(column("response_length", speed).mean()),
         **{k: float(column(k, speed).mean()) for k in TIMES},
+        "other_time": float(
+            (column("step_time", speed) - sum(column(k, speed) for k in TIMES[:-1])).mean()
+        ),
         "rollout_tokens_per_s": float(column("rollout_tokens_per_s", speed).mean()),
     }
 
 
-TIMES = ("rollout_time", "train_time", "transfer_time", "step_time")
+TIMES = ("rollout_time", "score_time", "train_time", "transfer_time", "step_time")
 
 
 def summarize(out: pathlib.Path, seeds, modes) -> dict:

@@ -28,14 +28,14 @@ every process takes part in each orbax checkpoint (the run directory must be sha
 
 Writes to --run-dir (default runs/<config>-<draft> in the working directory): metrics.jsonl (one
 line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s, rollout
-/ train / weight transfer / step time, the lag of the batch's weights in steps), TensorBoard events
-when tensorboardX is installed, and checkpoints/ (async, every rl.save_every steps and at the last,
-with the config beside; `jspec.jobs.trainer`, shared with train_code_lm). Run again to resume from
-the latest checkpoint. A run that completes writes export/: the policy in the Hugging Face layout
-with its tokenizer, and the draft in the public EAGLE-3 layout, for a serving engine (`--export`
-writes the latest checkpoint's at any time). `--stop-after MINUTES` (a time limit) and
-`--stop-after-steps N` stop the run early with its step saved and exit status 75; the same command
-resumes it. `jspec/jobs/plot_runs.py` draws several runs' metrics.
+/ scoring / train / weight transfer / step time, the lag of the batch's weights in steps),
+TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
+steps and at the last, with the config beside; `jspec.jobs.trainer`, shared with train_code_lm).
+Run again to resume from the latest checkpoint. A run that completes writes export/: the policy in
+the Hugging Face layout with its tokenizer, and the draft in the public EAGLE-3 layout, for a
+serving engine (`--export` writes the latest checkpoint's at any time). `--stop-after MINUTES` (a
+time limit) and `--stop-after-steps N` stop the run early with its step saved and exit status 75;
+the same command resumes it. `jspec/jobs/plot_runs.py` draws several runs' metrics.
 """
 
 from __future__ import annotations
@@ -323,8 +323,10 @@ def finish_rollout(run: Run, job: InFlight):
     rl, out, mine = run.rl, job.out.result(), job.rows
     tokens, lengths, logprobs = (hosts.host_rows(x, mine) for x in out[:3])
     seconds = time.perf_counter() - job.start
+    score_start = time.perf_counter()
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
     rewards = tasks.rewards(rl.task, job.step, job.group, responses)
+    score_time = time.perf_counter() - score_start
     advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
     packed = packing.pack(
         job.prompts,
@@ -349,6 +351,7 @@ def finish_rollout(run: Run, job: InFlight):
         "response_length": float(all_lengths.mean()),
         "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,
+        "score_time": score_time,
         "lag": job.step - job.version,
         "task": f"{name}:{difficulty}",
     }

@@ -7,8 +7,8 @@
       -> one optax update of both parameter groups
 
 The policy runs once: the draft reads its taps and logits, never calls it again (a test counts the
-dot operations), and never back-propagates into it. With the draft frozen, its loss is still
-computed (forward only) for the agreement metric; without a draft, nothing of it is traced.
+dot operations), and never back-propagates into it. With the draft frozen, only its trunk pass
+runs (forward only), for the agreement metric; without a draft, nothing of it is traced.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def make_loss(
             batch.segment_ids,
             batch.positions,
             batch.response,
-            steps=rl.ttt_steps,
+            steps=rl.ttt_steps if "draft" in trainable else 0,  # frozen: pass 0's agreement
             decay=rl.ttt_decay,
             temperature=temperature,
             chunk=rl.loss_chunk,

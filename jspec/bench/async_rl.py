@@ -13,7 +13,7 @@ and reports medians over the steps after the first --skip (compilation): step ti
 host: in async mode the wait behind the previous rollout included), train and weight-transfer
 time, mean accepted length. Compiled programs go to train_rl's persistent cache
 (runs/.jax_cache), which sync-split and async share; a second invocation compiles nothing. The
-policy is the 1.2B one of BENCHMARKS.md's RL step-time table (random init, two warm-start steps),
+policy is a 1.2B Qwen3-style one of random weights and a byte vocabulary (two warm-start steps),
 so acceptance says nothing about a trained policy. Prints a Markdown table and writes JSON (--out).
 """
 

@@ -260,9 +260,10 @@ def _limits(timeout_s: float, memory_mb: int) -> list[tuple[int, int]]:
 class _Zygote:
     """A zygote process and its pipes, used by one thread at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, program: str = ZYGOTE, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
         self.process = subprocess.Popen(
-            [*namespaces(), sys.executable, "-I", "-c", ZYGOTE],
+            [*namespaces(), sys.executable, "-I", "-c", program],
             cwd="/",
             env=ENVIRONMENT,
             stdin=subprocess.PIPE,
@@ -275,7 +276,7 @@ class _Zygote:
         self.poller.register(self.answers, select.POLLIN)
 
     def run(self, source: str, timeout_s: float, memory_mb: int) -> Outcome:
-        """The Outcome of `source`; raises where the zygote broke, took GRACE_S seconds longer
+        """The Outcome of `source`; raises where the zygote broke, took `grace_s` seconds longer
         than the timeout or answered with what is not this request's answer."""
         request = {
             "id": os.urandom(8).hex(),
@@ -287,8 +288,8 @@ class _Zygote:
         }
         self.requests.write(json.dumps(request).encode() + b"\n")
         self.requests.flush()
-        if not self.poller.poll((timeout_s + GRACE_S) * 1000):
-            raise TimeoutError(f"the zygote did not answer in {timeout_s + GRACE_S:.0f} s")
+        if not self.poller.poll((timeout_s + self.grace_s) * 1000):
+            raise TimeoutError(f"the zygote did not answer in {timeout_s + self.grace_s:.0f} s")
         answer = self.answers.readline()
         if not answer:
             raise EOFError(f"the zygote ended (status {self.process.poll()})")

@@ -6,7 +6,7 @@
     python -m jspec.jobs.train_rl rl.steps=60 rl.task.shift_step=30 rl.task.shifted_difficulty=3
     python -m jspec.jobs.train_rl rl.max_lag=1 rl.rollout_mesh.data=4   # asynchronous, 4 + 4
     python -m jspec.jobs.train_rl --config code-rl rl.policy=runs/code \
-        rollout.draft.path=runs/code/draft         # a trained code model and its draft (below)
+        rollout.draft.path=runs/code/draft         # train_code_lm's model and draft, the code task
 
 The policy starts from random weights (the toy demo), or from a checkpoint (rl.policy: a Hugging
 Face directory, or a train_code_lm run directory) with its tokenizer.json; the draft from

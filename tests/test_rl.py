@@ -14,6 +14,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import COMPARED, LOOP, close, close_trees, count_dots, loop, random_rollouts
 from learning import assert_updates_follow_rewards, recorded_loop
@@ -229,3 +230,35 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
     assert [r["tree"] for r in rows] == [tree, tree]
     if tree == "plain":
         assert all(r["accepted_length"] == 1.0 for r in rows)
+
+
+def test_rows_packed_by_real_lengths_give_the_full_layouts_losses_and_gradients():
+    """rl.packed_rows: 8 rollouts whose responses end early, packed into 1 row by their real
+    lengths instead of 2 at full length, give the same losses and gradients; sequences that do
+    not fit are refused (the run then takes the full layout)."""
+    prompts, p_len, responses, r_len, logprobs, advantages = random_rollouts(8, 6, 7, 64)
+    p_len, r_len = np.minimum(p_len, 4), np.minimum(r_len, 2)  # 8 of at most 6: one row of 56
+    arrays = (prompts, p_len, responses, r_len, logprobs, advantages)
+    full = packing.pack(*arrays, per_row=4, align=2)
+    dense = packing.pack(*arrays, per_row=4, align=2, rows=1)
+    assert full.tokens.shape == (2, 56) and dense.tokens.shape == (1, 56)
+    assert sorted(np.unique(dense.sequence[dense.sequence >= 0])) == list(range(8))
+    assert packing.pack(*arrays[:3], np.full(8, 7), *arrays[4:], per_row=4, align=2, rows=1) is None
+
+    nets, params = networks(None)
+    loss = jax.jit(jax.grad(make_loss(nets, RL, ROLLOUT, num_sequences=8), has_aux=True))
+    got, want = (loss(params, {}, None, jax.tree.map(jnp.asarray, b)) for b in (dense, full))
+    for key in ("policy_loss", "draft_loss", "agreement"):
+        close(got[1][key], want[1][key])
+    close_trees(got[0], want[0])
+
+
+def test_a_step_whose_sequences_do_not_fit_the_packed_rows_takes_the_full_layout(tmp_path, cache):
+    """The demo's sequences are nearly all of full length: 8 packed rows cannot hold them, so
+    each step takes the 32 rows of the full layout, and the run is the run without packed rows."""
+    short = ("rl.steps=2", "rl.sft_steps=5")
+    full = loop(tmp_path / "full", cache, *short)
+    packed = loop(tmp_path / "packed", cache, *short, "rl.packed_rows=8")
+    assert [r["packed_rows"] for r in packed] == [32, 32]
+    for a, b in zip(full, packed, strict=True):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}

@@ -26,7 +26,6 @@ import numpy as np
 from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.jobs import cli, train_rl
-from jspec.rl import packing
 from jspec.rl.state import init_state, trained_groups
 
 
@@ -43,7 +42,8 @@ def parse_args(argv=None):
 
 
 def batch(run: train_rl.Run, prompt_len: int, mean_response: float, seed: int = 0):
-    """A packed batch of the run's shapes: rl.batch random sequences."""
+    """A packed batch of the run's shapes: rl.batch random sequences, packed as train_rl packs
+    them (in rl.packed_rows rows where they fit)."""
     rl, new = run.rl, run.cfg.rollout.max_new_tokens
     rng = np.random.default_rng(seed)
     b, v = rl.batch, run.cfg.model.vocab_size
@@ -52,32 +52,25 @@ def batch(run: train_rl.Run, prompt_len: int, mean_response: float, seed: int = 
     responses = rng.integers(0, v, (b, new), dtype=np.int32)
     advantages = rng.standard_normal(b).astype(np.float32)
     logprobs = np.full((b, new), -2.0, np.float32)
-    packed = packing.pack(
-        prompts,
-        np.full(b, prompt_len, np.int32),
-        responses,
-        lengths,
-        logprobs,
-        advantages,
-        per_row=rl.sequences_per_row,
-        align=run.align,
-    )
-    return run.put(packed, 0, b)
+    prompt_lengths = np.full(b, prompt_len, np.int32)
+    packed, rows = run.pack(prompts, prompt_lengths, responses, lengths, logprobs, advantages)
+    return run.put(packed, 0, rows), rows
 
 
-def time_step(cfg, mode: str, args) -> float:
-    """The median seconds of one train step of `mode` ('none', 'frozen', 'cotrain')."""
+def time_step(cfg, mode: str, args) -> tuple[float, int]:
+    """The median seconds of one train step of `mode` ('none', 'frozen', 'cotrain'), and the
+    batch's rows."""
     run = train_rl.Run((cfg, tokenizers.ByteTokenizer(), args.prompt_len), mode)
     trained = trained_groups(mode, run.networks.draft is not None)
     tx, step = run.step_fn("grpo", trained, cfg.rl.learning_rate, cfg.rl.batch)
     state = init_state(run.networks, run.initial_params, tx, trained, seed=0, reference=False)
-    data = batch(run, args.prompt_len, args.mean_response)
+    data, rows = batch(run, args.prompt_len, args.mean_response)
     times = []
     for _ in range(2 + args.steps):
         start = time.perf_counter()
         state, _ = jax.block_until_ready(step(state, data))
         times.append(time.perf_counter() - start)
-    return float(np.median(times[2:]))
+    return float(np.median(times[2:])), rows
 
 
 def main(argv=None):
@@ -87,14 +80,15 @@ def main(argv=None):
     for k in args.ttt_steps:
         rl = dataclasses.replace(cfg.rl, ttt_steps=k)
         variants[f"cotrain, {k} TTT steps"] = (dataclasses.replace(cfg, rl=rl), "cotrain")
-    seconds = {name: time_step(c, mode, args) for name, (c, mode) in variants.items()}
+    timed = {name: time_step(c, mode, args) for name, (c, mode) in variants.items()}
+    base = timed["none"][0]
     rows = [
-        {"variant": name, "seconds": s, "over_none": s / seconds["none"]}
-        for name, s in seconds.items()
+        {"variant": name, "seconds": s, "over_none": s / base, "rows": n}
+        for name, (s, n) in timed.items()
     ]
-    print("| train step | seconds | over none |\n| --- | --- | --- |")
+    print("| train step | seconds | over none | packed rows |\n| --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['variant']} | {r['seconds']:.4f} | {r['over_none']:.2f} |")
+        print(f"| {r['variant']} | {r['seconds']:.4f} | {r['over_none']:.2f} | {r['rows']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": args.config, "rows": rows}, indent=2) + "\n")
 

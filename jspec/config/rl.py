@@ -41,10 +41,15 @@ class RLConfig:
 
     Each RL step samples `prompts` prompts, `group_size` responses each (the batch is their
     product), packs `sequences_per_row` sequences into each training row, and makes one update of
-    policy and draft. The draft loss (weight `draft_loss_weight`) runs the trunk pass and
-    `ttt_steps` branch steps of the training-time test, step i weighted `ttt_decay`**i, in chunks of
-    `loss_chunk` tokens along the sequence. Policy and draft have their own learning rate and
-    gradient clipping. `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
+    policy and draft. With `packed_rows` (0: off) the rows of an RL step are that many, as long,
+    filled by the sequences' real lengths (responses mostly end before rollout.max_new_tokens), and
+    a step whose sequences do not fit takes the rows of every sequence at full length (a second
+    compiled train step, said in the metrics' `packed_rows`).
+
+    The draft loss (weight `draft_loss_weight`) runs the trunk pass and `ttt_steps` branch steps
+    of the training-time test, step i weighted `ttt_decay`**i, in chunks of `loss_chunk` tokens
+    along the sequence. Policy and draft have their own learning rate and gradient clipping.
+    `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
 
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
     `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
@@ -74,6 +79,7 @@ class RLConfig:
     prompts: int = 8
     group_size: int = 8
     sequences_per_row: int = 4
+    packed_rows: int = 0
     sft_steps: int = 300
     sft_batch: int = 64
     learning_rate: float = 1e-4
@@ -114,6 +120,11 @@ class RLConfig:
         for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
+        if not 0 <= self.packed_rows <= self.batch // self.sequences_per_row:
+            raise ConfigError(
+                f"{where}.packed_rows={self.packed_rows} must be in [0, batch / sequences_per_row "
+                f"= {self.batch // self.sequences_per_row}] (0: every sequence at full length)."
+            )
         if self.batch % self.sequences_per_row:
             raise ConfigError(
                 f"{where}.sequences_per_row={self.sequences_per_row} does not divide the batch "
@@ -175,6 +186,11 @@ class RLConfig:
                 f"the {rows} packed training rows (batch {self.batch} / rl.sequences_per_row="
                 f"{self.sequences_per_row}) do not split over mesh.data={sizes['data']}; lower "
                 "rl.sequences_per_row or raise rl.prompts so the rows are a multiple of it."
+            )
+        if self.packed_rows % sizes["data"]:
+            raise ConfigError(
+                f"rl.packed_rows={self.packed_rows} does not split over mesh.data={sizes['data']}; "
+                "make it a multiple of it."
             )
         sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)
         if rem or sft_rows % sizes["data"]:

@@ -233,11 +233,27 @@ class Run:
             )
         return mine
 
-    def put(self, local: packing.PackedBatch, first: int, count: int) -> packing.PackedBatch:
-        """The global packed batch of `count` sequences from this process's rows of it, whose
-        first sequence is `first` (sequence indices made global)."""
+    def put(self, local: packing.PackedBatch, first: int, rows: int) -> packing.PackedBatch:
+        """The global packed batch of `rows` rows from this process's rows of it, whose first
+        sequence is `first` (sequence indices made global)."""
         local = local._replace(sequence=np.where(local.sequence >= 0, local.sequence + first, -1))
-        return hosts.global_tree(self.rows, local, count // self.rl.sequences_per_row)
+        return hosts.global_tree(self.rows, local, rows)
+
+    def pack(self, *arrays) -> tuple[packing.PackedBatch, int]:
+        """This process's packed rows of an RL batch (`arrays`: prompts, their lengths,
+        responses, their lengths, log-probabilities, advantages) and the global row count:
+        rl.packed_rows rows filled by real lengths when every process's sequences fit in its
+        share of them, else a row for every rl.sequences_per_row sequences."""
+        rl = self.rl
+        pack = lambda rows: packing.pack(
+            *arrays, per_row=rl.sequences_per_row, align=self.align, rows=rows
+        )
+        if rl.packed_rows:
+            share = hosts.local_rows(self.rows, rl.packed_rows)
+            dense = pack(share.stop - share.start)
+            if hosts.gather([dense is not None]).all():  # one shape on every process
+                return dense, rl.packed_rows
+        return pack(None), rl.batch // rl.sequences_per_row
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
@@ -276,7 +292,9 @@ def warm_start(run: Run, log) -> dict:
             per_row=rl.sequences_per_row,
             align=run.align,
         )
-        state, metrics = step(state, run.put(packed, mine.start, rl.sft_batch))
+        state, metrics = step(
+            state, run.put(packed, mine.start, rl.sft_batch // rl.sequences_per_row)
+        )
         if i % 25 == 0 or i == rl.sft_steps - 1:
             values = ", ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
             log(f"warm start {i}: {values} ({time.perf_counter() - start:.0f} s)")
@@ -328,16 +346,7 @@ def finish_rollout(run: Run, job: InFlight):
     rewards = tasks.rewards(rl.task, job.step, job.group, responses)
     score_time = time.perf_counter() - score_start
     advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
-    packed = packing.pack(
-        job.prompts,
-        job.prompt_lengths,
-        tokens,
-        lengths,
-        logprobs,
-        advantages,
-        per_row=rl.sequences_per_row,
-        align=run.align,
-    )
+    packed, rows = run.pack(job.prompts, job.prompt_lengths, tokens, lengths, logprobs, advantages)
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
@@ -355,9 +364,11 @@ def finish_rollout(run: Run, job: InFlight):
         "lag": job.step - job.version,
         "task": f"{name}:{difficulty}",
     }
+    if rl.packed_rows:
+        metrics["packed_rows"] = rows
     if run.trees is not None:
         metrics["tree"] = job.tree or "plain"
-    return run.put(packed, mine.start, rl.batch), metrics
+    return run.put(packed, mine.start, rows), metrics
 
 
 def start_or_resume(run: Run, loop: trainer.TrainLoop, log):

@@ -31,6 +31,30 @@ def row_length(max_sequence: int, per_row: int, align: int) -> int:
     return per_row * (-(-max_sequence // align) * align)
 
 
+def _place(padded: np.ndarray, per_row: int, rows: int | None, length: int):
+    """(row, offset, document number in its row) of each sequence of `padded` tokens: sequence i
+    in row i // per_row; or, with `rows`, first fit, longest first, into that many rows of
+    `length` tokens (None when they do not fit)."""
+    b = len(padded)
+    if rows is None:
+        rows, order = b // per_row, range(b)
+        fits = lambda i, cursor: [i // per_row]
+    else:
+        order = np.argsort(-padded, kind="stable")
+        fits = lambda i, cursor: np.flatnonzero(cursor + padded[i] <= length)[:1]
+    cursor, docs = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    where = [None] * b
+    for i in order:
+        row = fits(i, cursor)
+        if len(row) == 0:
+            return None
+        r = int(row[0])
+        where[i] = (r, int(cursor[r]), int(docs[r]))
+        cursor[r] += padded[i]
+        docs[r] += 1
+    return where
+
+
 def pack(
     prompts: np.ndarray,
     prompt_lengths: np.ndarray,
@@ -41,10 +65,14 @@ def pack(
     *,
     per_row: int,
     align: int = 1,
-) -> PackedBatch:
+    rows: int | None = None,
+) -> PackedBatch | None:
     """Packs B sequences (prompt [B,P] + response [B,M], right-padded) into B / per_row rows.
 
-    `logprobs` [B,M] of the responses and `advantages` [B] default to 0 (supervised data).
+    `logprobs` [B,M] of the responses and `advantages` [B] default to 0 (supervised data). With
+    `rows` (fewer than B / per_row), the rows are as long, but the sequences go into that many by
+    their real lengths, first fit, longest first (so a row may hold more than per_row of them);
+    None when they do not fit.
     """
     prompts, responses = np.asarray(prompts), np.asarray(responses)
     b, p = prompts.shape
@@ -54,7 +82,11 @@ def pack(
     logprobs = np.zeros((b, m), np.float32) if logprobs is None else np.asarray(logprobs)
     advantages = np.zeros((b,), np.float32) if advantages is None else np.asarray(advantages)
     length = row_length(p + m, per_row, align)
-    rows = b // per_row
+    lengths = np.asarray(prompt_lengths, np.int64) + np.asarray(response_lengths, np.int64)
+    where = _place(-(-lengths // align) * align, per_row, rows, length)
+    if where is None:
+        return None
+    rows = b // per_row if rows is None else rows
     out = PackedBatch(
         tokens=np.zeros((rows, length), np.int32),
         segment_ids=np.zeros((rows, length), np.int32),
@@ -64,21 +96,17 @@ def pack(
         advantages=np.zeros((rows, length), np.float32),
         sequence=np.full((rows, length), -1, np.int32),
     )
-    cursor = np.zeros(rows, np.int64)
-    for i in range(b):
-        r, doc = divmod(i, per_row)
+    for i, (r, start, doc) in enumerate(where):
         n_p, n_r = int(prompt_lengths[i]), int(response_lengths[i])
         n = n_p + n_r
         padded = -(-n // align) * align
-        at = slice(int(cursor[r]), int(cursor[r]) + padded)
-        sl = slice(int(cursor[r]), int(cursor[r]) + n)
-        resp = slice(int(cursor[r]) + n_p, int(cursor[r]) + n)
-        out.tokens[r, sl] = np.concatenate([prompts[i, :n_p], responses[i, :n_r]])
+        at = slice(start, start + padded)
+        resp = slice(start + n_p, start + n)
+        out.tokens[r, start : start + n] = np.concatenate([prompts[i, :n_p], responses[i, :n_r]])
         out.segment_ids[r, at] = doc + 1
         out.positions[r, at] = np.arange(padded)
         out.response[r, resp] = True
         out.old_logprobs[r, resp] = logprobs[i, :n_r]
         out.advantages[r, at] = advantages[i]
         out.sequence[r, at] = i
-        cursor[r] += padded
     return out

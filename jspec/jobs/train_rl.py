@@ -179,15 +179,17 @@ class Run:
     """One run's fixed parts: config, meshes (training, and rollout when split), networks (the
     trainer's, and the sampler's on the rollout mesh), tokenizer, static shapes."""
 
-    def __init__(self, checked: tuple, mode: str):
-        """`checked`: what `check` returned for this mode (the config, tokenizer, prompt width)."""
+    def __init__(self, checked: tuple, mode: str, load: bool = True):
+        """`checked`: what `check` returned for this mode (the config, tokenizer, prompt width).
+        `load`: the policy's initial weights read from rl.policy (a run that resumes from its own
+        checkpoint leaves them unread)."""
         cfg, self.tokenizer, self.prompt_width = checked
         self.cfg, self.rl, self.mode = cfg, cfg.rl, mode
         self.mesh, self.rollout_mesh = meshes.split_meshes(cfg.mesh, self.rl.rollout_mesh)
         self.trees = None
         if self.rl.tree_costs is not None and mode != "none":
             self.trees = TreeChooser.from_bench(self.rl.tree_costs)
-        self.networks, self.initial_params = self._build(self.mesh)
+        self.networks, self.initial_params = self._build(self.mesh, load)
         self.sampler_networks = self.networks
         if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later
             self.sampler_networks = self._build(self.rollout_mesh, load=False)[0]
@@ -489,7 +491,7 @@ def main(argv=None) -> pathlib.Path:
     with trainer.resumable(say), loop:
         if args.export and not loop.checkpoints.steps():
             raise ConfigError(f"--export: {run_dir} holds no checkpoint to export; train first.")
-        run = Run(checked, args.draft_mode)
+        run = Run(checked, args.draft_mode, load=not loop.checkpoints.steps())
         state, train_step = start_or_resume(run, loop, log)
         if args.export:
             export(run, state, run_dir / EXPORT, say)

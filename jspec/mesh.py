@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -118,3 +119,14 @@ def constrain(x: jax.Array, mesh: Mesh | None, names: Sequence[str | None]) -> j
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, sharding(mesh, names))
+
+
+def take_local_rows(x: jax.Array, rows_SR: jax.Array) -> jax.Array:
+    """Rows of x [B, ...] picked within each of the S equal blocks its leading axis splits into
+    (the blocks that S row shards hold): rows_SR [S, R] indexes rows of each block. The result
+    [S * R, ...] keeps block s's picks in block s, so no row moves between the devices of a mesh
+    that splits the rows."""
+    s, r = rows_SR.shape
+    blocks = x.reshape(s, x.shape[0] // s, *x.shape[1:])
+    index = rows_SR.reshape(s, r, *(1,) * (x.ndim - 1))
+    return jnp.take_along_axis(blocks, index, axis=1).reshape(s * r, *x.shape[1:])

@@ -73,6 +73,12 @@ def test_dotted_overrides():
         ),
         (["rollout.eos_id=256"], r"rollout.eos_id=256 is not a token of the vocabulary of size"),
         (["rollout.top_p=0"], r"rollout.top_p=0.0 must be in \(0, 1\]"),
+        (["rollout.buckets=[{rows: 2}, {rows: 4}]"], r"buckets rows=\[2, 4\] must decrease"),
+        (["rl.draft_rows=99"], r"rl.draft_rows=99 must be in \[0, "),
+        (
+            ["rollout.buckets=[{rows: 4, tree: {kind: chain, depth: 0}}]"],
+            r"rollout.buckets\[0\].tree.depth=0 must be >= 1",
+        ),
         (["model.hidden_size=0"], r"model.hidden_size=0 must be positive"),
         (["model.dtype=float64"], r"model.dtype='float64' is not one of"),
         (["model.num_layers=abc"], r"model.num_layers='abc' is not int"),

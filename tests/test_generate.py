@@ -18,6 +18,7 @@ from jax import monitoring
 import jspec.sampler.acceptance as acceptance
 import jspec.sampler.generation as generation
 from jspec.config import (
+    Bucket,
     ConfigError,
     KernelConfig,
     MeshConfig,
@@ -168,6 +169,55 @@ def test_rows_that_finish_take_the_next_prompt(setup, kind, rows, refill):
     assert got.stats.busy() == steps.sum() / (rows * int(got.stats.iterations))
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_compacted_rows_decode_as_the_whole_batch(setup, kind):
+    """Buckets of 6 and 5 rows for 8 prompts (5 run to the end): the running rows move into them
+    as the others end, and every prompt gets the tokens, log-probabilities and steps of the
+    uncompacted batch."""
+    s = setup
+    draft, tree = (None, TreeConfig()) if kind == "plain" else (s["drafts"][kind], TREES["dynamic"])
+    inputs = (s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1))
+    run = lambda **kw: generate(*inputs, greedy(eos_id=s["eos"], tree=tree, **kw))
+    whole, got = run(), run(buckets=(Bucket(6), Bucket(5)))
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
+    np.testing.assert_allclose(got.logprobs, whole.logprobs, atol=1e-5)
+    for name in ("steps", "accepted", "reached_depth", "accepted_non_first", "iterations"):
+        np.testing.assert_array_equal(getattr(got.stats, name), getattr(whole.stats, name))
+    assert int(whole.stats.row_steps) == 8 * int(whole.stats.iterations)
+    assert int(got.stats.row_steps) < int(whole.stats.row_steps)
+    assert got.stats.busy() > whole.stats.busy()
+
+
+def test_buckets_verify_their_own_trees(setup):
+    """A chain of one node in the batch, a dynamic tree once 6 rows are left, a static one at 5:
+    the greedy tokens are plain decoding's, and the deeper trees of the tail reach their depth."""
+    s = setup
+    buckets = (Bucket(6, TREES["dynamic"]), Bucket(5, TREES["static"]))
+    config = greedy(eos_id=s["eos"], tree=TreeConfig(kind="chain", depth=1), buckets=buckets)
+    draft = s["drafts"]["eagle3"]
+    got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    assert got.stats.reached_depth.shape == (3,) and int(got.stats.reached_depth[1]) > 0
+
+
+def test_compaction_on_the_training_mesh_keeps_rows_on_their_shard(setup):
+    """Rows over 2 data shards (4 each; 3 and 2 of them run to the end), heads over tensor: a
+    bucket of 6 rows takes 3 running rows per shard, and the tokens are plain decoding's; a
+    bucket that does not split is named."""
+    s = setup
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), devices=jax.devices()[:4])
+    target = create(CONFIG, mesh=mesh)
+    draft = ExternalDraft(noisy_copy(target, 0.1))
+    config = greedy(eos_id=s["eos"], tree=TREES["chain"], buckets=(Bucket(6),))
+    got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    assert int(got.stats.row_steps) < 8 * int(got.stats.iterations)
+    with pytest.raises(ConfigError, match=r"rollout.buckets\[0\].rows=3 does not split over"):
+        config = greedy(buckets=(Bucket(3),))
+        generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: the first three tokens follow the target's law exactly.
 
@@ -213,23 +263,39 @@ def forward_probs(target, prefixes, temperature, top_p):
     return np.asarray(sampling_probs(last, temperature=temperature, top_p=top_p), np.float64)
 
 
-def exact_joint(target, temperature, top_p):
-    """Probability of every 3-token continuation, one token at a time from the target."""
+def exact_joint(target, temperature, top_p, eos=None):
+    """Probability of every 3-token continuation, one token at a time from the target, coded as
+    `row_codes` codes them (after `eos`, no token)."""
     v = SMALL.vocab_size
-    first = forward_probs(target, [()], temperature, top_p)[0]
-    second = forward_probs(target, [(a,) for a in range(v)], temperature, top_p)
-    third = forward_probs(target, [(a, b) for a in range(v) for b in range(v)], temperature, top_p)
-    return (first[:, None, None] * second[:, :, None] * third.reshape(v, v, v)).reshape(-1)
+    probs = lambda prefixes: forward_probs(target, prefixes, temperature, top_p)
+    first = probs([()])[0]
+    second = probs([(a,) for a in range(v)])
+    third = probs([(a, b) for a in range(v) for b in range(v)]).reshape(v, v, v)
+    joint = np.zeros((v + 1,) * 3)
+    joint[:v, :v, :v] = first[:, None, None] * second[:, :, None] * third
+    if eos is not None:
+        joint[:, eos] = 0
+        joint[:v, eos, v] = first * second[:, eos]
+        joint[eos] = 0
+        joint[eos, v, v] = first[eos]
+    return joint.reshape(-1)
 
 
-def sample_codes(small, case, seed=0, trials=TRIALS):
+def row_codes(tokens):
+    """Each row's first 3 tokens as one number, in base vocab + 1 (the last digit: no token)."""
+    base = SMALL.vocab_size + 1
+    t = np.where(np.asarray(tokens)[:, :3] < 0, base - 1, np.asarray(tokens)[:, :3])
+    return t[:, 0] * base**2 + t[:, 1] * base + t[:, 2]
+
+
+def sample_codes(small, case, seed=0, trials=TRIALS, speculative=True):
     target, draft = small
     config = RolloutConfig(max_new_tokens=3, **case)
     prompts = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (trials, len(PROMPT)))
     lengths = jnp.full((trials,), len(PROMPT), jnp.int32)
+    draft = draft if speculative else None
     out = generate(target, draft, prompts, lengths, jax.random.key(seed), config)
-    tokens = np.asarray(out.tokens)
-    return tokens[:, 0] * 64 + tokens[:, 1] * 8 + tokens[:, 2], out
+    return row_codes(out.tokens), out
 
 
 @pytest.mark.parametrize("case", LOSSLESS)
@@ -242,6 +308,20 @@ def test_lossless_through_the_pallas_decode_kernel(small):
     fewer trials, the same threshold)."""
     case = dict(LOSSLESS["point-mass dynamic tree"], kernels=PALLAS_TRUNK)
     check_lossless(small, case, TRIALS // 20)
+
+
+@pytest.mark.parametrize("kind", ["plain", "sampled chain"])
+def test_compacted_sampling_is_lossless(small, kind):
+    """The EOS is the likeliest first token, so rows end at every step and the rest move into
+    buckets of fewer rows: the joint law of the first tokens is still the target's."""
+    c = LOSSLESS["sampled chain"]
+    eos = int(np.argmax(forward_probs(small[0], [()], c["temperature"], c["top_p"])[0]))
+    buckets = (Bucket(16_000), Bucket(8_000), Bucket(2_000))
+    case = dict(c, eos_id=eos, buckets=buckets)
+    got, out = sample_codes(small, case, speculative=kind != "plain")
+    assert int(out.stats.row_steps) < TRIALS * int(out.stats.iterations)  # it compacted
+    joint = exact_joint(small[0], c["temperature"], c["top_p"], eos=eos)
+    assert chi_square_p_value(got, joint) > P_VALUE
 
 
 def check_lossless(small, case, trials):

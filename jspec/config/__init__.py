@@ -12,10 +12,11 @@ from jspec.config.loader import CONFIG_DIR, load, parse_overrides, resolve_path,
 from jspec.config.model import ModelConfig, RopeScaling
 from jspec.config.parallel import MeshConfig, PipelineConfig
 from jspec.config.rl import RLConfig, TaskConfig
-from jspec.config.rollout import DraftConfig, KernelConfig, RolloutConfig, TreeConfig
+from jspec.config.rollout import Bucket, DraftConfig, KernelConfig, RolloutConfig, TreeConfig
 from jspec.config.run import Config
 
 __all__ = [
+    "Bucket",
     "CONFIG_DIR",
     "Config",
     "ConfigError",

@@ -48,7 +48,10 @@ class RLConfig:
 
     The draft loss (weight `draft_loss_weight`) runs the trunk pass and `ttt_steps` branch steps
     of the training-time test, step i weighted `ttt_decay`**i, in chunks of `loss_chunk` tokens
-    along the sequence. Policy and draft have their own learning rate and gradient clipping.
+    along the sequence, on `draft_rows` of the step's training rows (0: all of them; else rows
+    spread evenly over each data shard's): the draft's passes cost a share of the policy's that
+    grows as the policy is shallower, and a subset of each step's fresh rollouts bounds it.
+    Policy and draft have their own learning rate and gradient clipping.
     `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
 
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
@@ -80,6 +83,7 @@ class RLConfig:
     group_size: int = 8
     sequences_per_row: int = 4
     packed_rows: int = 0
+    draft_rows: int = 0
     sft_steps: int = 300
     sft_batch: int = 64
     learning_rate: float = 1e-4
@@ -124,6 +128,12 @@ class RLConfig:
             raise ConfigError(
                 f"{where}.packed_rows={self.packed_rows} must be in [0, batch / sequences_per_row "
                 f"= {self.batch // self.sequences_per_row}] (0: every sequence at full length)."
+            )
+        rows = self.packed_rows or self.batch // self.sequences_per_row
+        if not 0 <= self.draft_rows <= rows:
+            raise ConfigError(
+                f"{where}.draft_rows={self.draft_rows} must be in [0, {rows}], the training rows "
+                f"of a step ({where}.packed_rows, else batch / sequences_per_row; 0: all)."
             )
         if self.batch % self.sequences_per_row:
             raise ConfigError(
@@ -190,6 +200,11 @@ class RLConfig:
         if self.packed_rows % sizes["data"]:
             raise ConfigError(
                 f"rl.packed_rows={self.packed_rows} does not split over mesh.data={sizes['data']}; "
+                "make it a multiple of it."
+            )
+        if self.draft_rows % sizes["data"]:
+            raise ConfigError(
+                f"rl.draft_rows={self.draft_rows} does not split over mesh.data={sizes['data']}; "
                 "make it a multiple of it."
             )
         sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)

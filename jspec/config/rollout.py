@@ -127,6 +127,24 @@ class KernelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A smaller batch that a rollout's live rows move into (compaction) once no prompt waits for
+    a row and at most `rows` are still running (as many on every row shard): in RL most responses
+    end early and the step waits for the few longest, which decode faster and can afford a deeper
+    tree in a batch of their own size. `tree` is the tree they verify there (None: the rollout's).
+    """
+
+    rows: int
+    tree: TreeConfig | None = None
+
+    def validate(self, where: str) -> None:
+        if self.rows < 1:
+            raise ConfigError(f"{where}.rows={self.rows} must be >= 1.")
+        if self.tree is not None:
+            self.tree.validate(f"{where}.tree")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How rollouts are generated: sampling, stopping, and the draft and tree that speed them up."""
 
@@ -144,6 +162,9 @@ class RolloutConfig:
     # activations are of this many rows. A refill waits until that many rows are free. 0: every
     # row at once when every prompt has a row, else a row in 8 (at least one per row shard).
     refill_rows: int = 0
+    # Smaller batches the live rows move into as rows finish, largest first; those not below the
+    # rows decoded at once are skipped. Each compiles once, in the same program.
+    buckets: tuple[Bucket, ...] = ()
     kernels: KernelConfig = KernelConfig()
 
     def validate(self, model: ModelConfig, where: str = "rollout") -> None:
@@ -172,6 +193,14 @@ class RolloutConfig:
                 f"{where}.refill_rows={self.refill_rows} exceeds {where}.rows={self.rows}: a "
                 "refill fills free rows; lower refill_rows or raise rows."
             )
+        rows = [b.rows for b in self.buckets]
+        if rows != sorted(set(rows), reverse=True):
+            raise ConfigError(
+                f"{where}.buckets rows={rows} must decrease strictly: each bucket is a smaller "
+                "batch than the one before."
+            )
+        for i, bucket in enumerate(self.buckets):
+            bucket.validate(f"{where}.buckets[{i}]")
         self.draft.validate(f"{where}.draft")
         self.tree.validate(f"{where}.tree")
         self.kernels.validate(f"{where}.kernels")

@@ -3,7 +3,7 @@
     policy forward on the packed rollouts (training forward, taps=True)
       -> per-token log-probabilities at the sampling temperature -> GRPO loss (or SFT)
       -> draft loss on the same forward's detached taps and logits (`draft_loss`: the trunk
-         pass and the training-time test's branch passes)
+         pass and the training-time test's branch passes), on `rl.draft_rows` of the rows
       -> one optax update of both parameter groups
 
 The policy runs once: the draft reads its taps and logits, never calls it again (a test counts the
@@ -14,8 +14,10 @@ runs (forward only), for the agreement metric; without a draft, nothing of it is
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from jspec import mesh as mesh_lib
 from jspec.config import RLConfig, RolloutConfig
 from jspec.rl import grpo
 from jspec.rl.draft_loss import draft_loss
@@ -61,15 +63,20 @@ def make_loss(
         metrics["policy_loss"] = loss
         if draft is None:
             return loss, metrics
+        rows = rl.draft_rows if objective == "grpo" else 0
         d = draft_loss(
             draft,
             policy.embed[...],
-            taps,
-            logits,
-            batch.tokens,
-            batch.segment_ids,
-            batch.positions,
-            batch.response,
+            *_draft_rows(
+                rows,
+                networks.mesh,
+                jnp.moveaxis(taps, 1, 0),
+                logits,
+                batch.tokens,
+                batch.segment_ids,
+                batch.positions,
+                batch.response,
+            ),
             steps=rl.ttt_steps if "draft" in trainable else 0,  # frozen: pass 0's agreement
             decay=rl.ttt_decay,
             temperature=temperature,
@@ -127,6 +134,18 @@ def make_train_step(
     # Ahead of time, from abstract arrays with shardings (jspec.jobs.plan): run.lower(state, batch).
     run.lower = lambda state, batch: jitted(state).lower(state, batch)
     return run
+
+
+def _draft_rows(rows: int, mesh, taps_BLTD, *arrays):
+    """(taps [L,B',T,D], *arrays [B',...]): `rows` rows of the batch (0: all), spread evenly over
+    each data shard's, so none moves between devices."""
+    if rows:
+        shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "batch")
+        local, per_shard = taps_BLTD.shape[0] // shards, rows // shards
+        spread = jnp.arange(per_shard) * local // per_shard
+        pick = lambda x: mesh_lib.take_local_rows(x, jnp.broadcast_to(spread, (shards, per_shard)))
+        taps_BLTD, arrays = pick(taps_BLTD), [pick(x) for x in arrays]
+    return (jnp.moveaxis(taps_BLTD, 0, 1), *arrays)
 
 
 def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, temperature):

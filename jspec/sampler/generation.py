@@ -14,7 +14,10 @@ same loop with a tree of no nodes, so the two compare on equal terms. The loop r
 active or any prompt waits (`lax.while_loop`). With fewer rows than prompts (`rows`), a row whose
 completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows,
 so rows that finish early (short answers, or more draft tokens accepted) do not idle until the
-slowest is done. The rows' first prompts are prefilled `refill_rows` at a time too. Every size is
+slowest is done. The rows' first prompts are prefilled `refill_rows` at a time too. Once no prompt
+waits, `buckets` compact: when the rows still running fit a smaller bucket (on every row shard),
+they move, caches and draft state with them, into the loop compiled for that many rows, with the
+bucket's tree; a long tail of few rows then decodes at the cost of its own batch size. Every size is
 static: caches of prompt length + max_new_tokens slots, trees of a fixed node count. Each generated
 token's log-probability is taken under the target's sampling distribution (after temperature,
 top-k and top-p: `sampling_probs`, the law `verify` preserves), as the policy loss needs it.
@@ -22,6 +25,7 @@ top-k and top-p: `sampling_probs`, the law `verify` preserves), as the policy lo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -60,7 +64,8 @@ class RolloutStats(NamedTuple):
     failed [P]: prompts whose results must not be used (a prompt length out of range, or a cache
       overflow, possible only when `rollout` is traced with unknown lengths).
     iterations []: verify steps of the loop, active rows or not (a step costs the same either way).
-    rows []: rows decoded at once.
+    row_steps []: rows decoded, summed over the iterations (fewer than rows x iterations once the
+      live rows are compacted into a smaller bucket).
     """
 
     steps: Int[Array, " p"]
@@ -69,7 +74,7 @@ class RolloutStats(NamedTuple):
     accepted_non_first: Int[Array, " p"]
     failed: Bool[Array, " p"]
     iterations: Int[Array, ""]
-    rows: Int[Array, ""]
+    row_steps: Int[Array, ""]
 
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
@@ -79,7 +84,7 @@ class RolloutStats(NamedTuple):
     def busy(self) -> float:
         """The share of the rows' steps in which they emitted (a row idles once it is done and no
         prompt waits for it)."""
-        return int(np.sum(self.steps)) / max(int(self.rows) * int(self.iterations), 1)
+        return int(np.sum(self.steps)) / max(int(self.row_steps), 1)
 
     def tokens_per_row_step(self) -> float:
         """Tokens a row emits per loop step, idle steps counted: what speculation gains per row
@@ -184,11 +189,13 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
             "shorten the prompts or max_new_tokens."
         )
     shards = row_shards(target.mesh)
-    for name in ("rows", "refill_rows"):
-        if getattr(config, name) % shards:
+    sizes = {name: getattr(config, name) for name in ("rows", "refill_rows")}
+    sizes.update({f"buckets[{i}].rows": b.rows for i, b in enumerate(config.buckets)})
+    for name, rows in sizes.items():
+        if rows % shards:
             raise ConfigError(
-                f"rollout.{name}={getattr(config, name)} does not split over the {shards} "
-                f"shards of the rows (mesh axes data x context); use a multiple of {shards}."
+                f"rollout.{name}={rows} does not split over the {shards} shards of the rows "
+                f"(mesh axes data x context); use a multiple of {shards}."
             )
     if concrete(prompt_lengths):
         n = np.asarray(prompt_lengths)
@@ -242,7 +249,9 @@ def rollout(
     start = functools.partial(_start, target, draft, embed, config, t + m)
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
-    depth = _tree_depth(config.tree, draft)
+    shards = row_shards(target.mesh)
+    stages = rollout_stages(config, b)
+    depth = max(_tree_depth(c.tree, draft) for _, c in stages)
     zeros = jnp.zeros((p,), jnp.int32)
     stats = RolloutStats(
         steps=zeros,
@@ -251,7 +260,7 @@ def rollout(
         accepted_non_first=zeros,
         failed=failed,
         iterations=jnp.int32(0),
-        rows=jnp.int32(b),
+        row_steps=jnp.int32(0),
     )
     state = _Loop(
         rows=_empty_rows(target, draft, start, prompts[:b], lengths[:b], t + m),
@@ -268,11 +277,41 @@ def rollout(
     # The rows' first prompts, `chunk` rows at a time: a prefill's activations are of that many.
     first = lambda i, s: fill(s, jnp.minimum(i * chunk + jnp.arange(chunk), b))
     state = jax.lax.fori_loop(0, -(-b // chunk), first, state)
-    step = functools.partial(_verify_step, target, draft, embed, config)
-    if b < p:
-        step = lambda s, step=step: step(_refill(fill, chunk, s))
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) | (s.queued < p), step, state)
+    for i, (rows, stage) in enumerate(stages):
+        step = functools.partial(_verify_step, target, draft, embed, stage)
+        if i:
+            state = _compact(state, rows, shards)
+        elif b < p:
+            step = lambda s, step=step: step(_refill(fill, chunk, s))
+        below = stages[i + 1][0] if i + 1 < len(stages) else 0
+        running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
+        state = jax.lax.while_loop(running, step, state)
     return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
+
+
+def rollout_stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
+    """(rows, config) of the batch decoded at once and of each bucket below it, in order."""
+    below = [b for b in config.buckets if b.rows < rows]
+    tree = lambda b: dataclasses.replace(config, tree=b.tree or config.tree)
+    return [(rows, config)] + [(b.rows, tree(b)) for b in below]
+
+
+def _live_per_shard(s: _Loop, shards: int):
+    """Rows still running, on the row shard that has most (x shards: what a bucket must hold)."""
+    return jnp.max(jnp.sum(~s.done.reshape(shards, -1), axis=1)) * shards
+
+
+def _compact(s: _Loop, rows: int, shards: int) -> _Loop:
+    """`s` in `rows` rows: each row shard's running rows first (all of them: the loop before
+    stops only once they fit), its finished ones after, none moved to another shard."""
+    first = jnp.argsort(s.done.reshape(shards, -1), axis=1, stable=True)[:, : rows // shards]
+    take = lambda x: mesh_lib.take_local_rows(x, first)
+    return s._replace(
+        rows=jax.tree.map(take, s.rows),
+        prompt=take(s.prompt),
+        length=take(s.length),
+        done=take(s.done),
+    )
 
 
 def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, lengths, key):
@@ -403,7 +442,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
         ),
         failed=s.stats.failed.at[s.prompt].max(cache.overflowed, mode="drop"),
         iterations=s.stats.iterations + 1,
-        rows=s.stats.rows,
+        row_steps=s.stats.row_steps + b,
     )
     return s._replace(
         rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root)),

@@ -70,7 +70,7 @@ def make_loss(
             *_draft_rows(
                 rows,
                 networks.mesh,
-                jnp.moveaxis(taps, 1, 0),
+                taps,
                 logits,
                 batch.tokens,
                 batch.segment_ids,
@@ -136,16 +136,16 @@ def make_train_step(
     return run
 
 
-def _draft_rows(rows: int, mesh, taps_BLTD, *arrays):
+def _draft_rows(rows: int, mesh, taps, *arrays):
     """(taps [L,B',T,D], *arrays [B',...]): `rows` rows of the batch (0: all), spread evenly over
     each data shard's, so none moves between devices."""
-    if rows:
-        shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "batch")
-        local, per_shard = taps_BLTD.shape[0] // shards, rows // shards
-        spread = jnp.arange(per_shard) * local // per_shard
-        pick = lambda x: mesh_lib.take_local_rows(x, jnp.broadcast_to(spread, (shards, per_shard)))
-        taps_BLTD, arrays = pick(taps_BLTD), [pick(x) for x in arrays]
-    return (jnp.moveaxis(taps_BLTD, 0, 1), *arrays)
+    if not rows:
+        return (taps, *arrays)
+    shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "batch")
+    local, per_shard = taps.shape[1] // shards, rows // shards
+    spread = jnp.arange(per_shard) * local // per_shard
+    pick = lambda x: mesh_lib.take_local_rows(x, jnp.broadcast_to(spread, (shards, per_shard)))
+    return (jax.vmap(pick)(taps), *map(pick, arrays))
 
 
 def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, temperature):

@@ -250,7 +250,7 @@ def rollout(
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     shards = row_shards(target.mesh)
-    stages = rollout_stages(config, b)
+    stages = _stages(config, b)
     depth = max(_tree_depth(c.tree, draft) for _, c in stages)
     zeros = jnp.zeros((p,), jnp.int32)
     stats = RolloutStats(
@@ -289,7 +289,7 @@ def rollout(
     return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
 
 
-def rollout_stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
+def _stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
     """(rows, config) of the batch decoded at once and of each bucket below it, in order."""
     below = [b for b in config.buckets if b.rows < rows]
     tree = lambda b: dataclasses.replace(config, tree=b.tree or config.tree)

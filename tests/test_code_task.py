@@ -85,3 +85,29 @@ def test_difficulty_is_a_number_of_steps():
     for difficulty in (0, 9):
         with pytest.raises(ValueError, match="difficulty"):
             code_task.problem(np.random.default_rng(0), difficulty)
+
+
+def test_a_spread_of_difficulties_has_a_long_tail_and_the_widths_cover_its_hardest():
+    """Each step of difficulty is half as likely as the one below; the static widths are those
+    of the hardest problems, so no prompt of the spread is cut."""
+    from jspec.config import ConfigError, TaskConfig
+    from jspec.rl import tasks
+    from jspec.tokenizers import ByteTokenizer
+
+    config = TaskConfig(name="code", difficulty=2, spread=4)
+    drawn = [
+        p.prompt.count("\n    - ") for step in range(8) for p in tasks.problems(config, step, 64, 0)
+    ]
+    counts = np.bincount(drawn, minlength=7)[2:]
+    expected = len(drawn) * 0.5 ** np.arange(5) / (2 - 0.5**4)
+    assert counts.sum() == len(drawn) and (counts > 0).all()
+    assert np.abs(counts - expected).max() < 4 * np.sqrt(expected).max()  # binomial, 4 sigma
+    tokenizer = ByteTokenizer()
+    prompt_width, answer_width = tasks.widths(config, tokenizer)
+    hardest = tasks.widths(TaskConfig(name="code", difficulty=6), tokenizer)
+    assert (prompt_width, answer_width) == hardest
+    assert max(len(tokenizer.encode(p.prompt)) for p in tasks.problems(config, 0, 64, 0)) <= (
+        prompt_width
+    )
+    with pytest.raises(ConfigError, match=r"rl.task.difficulty=5 plus rl.task.spread=4"):
+        TaskConfig(name="code", difficulty=5, spread=4).validate()

@@ -228,6 +228,7 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
     )
     rows = loop(tmp_path / "run", cache, "rl.steps=2", "rl.sft_steps=5", f"rl.tree_costs={costs}")
     assert [r["tree"] for r in rows] == [tree, tree]
+    assert rows[0]["rollout_programs"] == rows[1]["rollout_programs"]  # compiled once
     if tree == "plain":
         assert all(r["accepted_length"] == 1.0 for r in rows)
 

@@ -145,6 +145,8 @@ def parse_args(argv=None):
 TREES = {  # the trees `--trees` may name
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
     "chain 6": TreeConfig(kind="chain", depth=6, sampled=False),
+    "sampled chain 4": TreeConfig(kind="chain", depth=4, sampled=True),  # drafts drawn from the
+    "sampled chain 6": TreeConfig(kind="chain", depth=6, sampled=True),  # draft's distribution
     "chain 4 + 2 siblings": TreeConfig(kind="static", parents=(-1, -1, 0, 0, 2, 4), sampled=False),
     "chain 6 + 2 siblings": TreeConfig(
         kind="static", parents=(-1, -1, 0, 0, 2, 4, 5, 6), sampled=False

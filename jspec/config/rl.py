@@ -18,19 +18,31 @@ class TaskConfig:
     """A verifiable task (`jspec.rl.tasks`): `name` at `difficulty` (digits, list or string
     length), shifted to `shifted_name` / `shifted_difficulty` from RL step `shift_step` on (0:
     never), so the policy is made to move part-way through a run. The names are the keys of
-    `jspec.rl.tasks.TASKS`, checked there (`check_task`) when a run is checked."""
+    `jspec.rl.tasks.TASKS`, checked there (`check_task`) when a run is checked.
+
+    `spread` > 0 draws each problem's difficulty from the task's difficulty up to `spread` more,
+    each one up half as likely as the one below: most problems easy, a few hard, so that the
+    responses of a step have the long tail of lengths that RL rollouts have."""
 
     name: str = "addition"
     difficulty: int = 2
     shift_step: int = 0
     shifted_name: str | None = None
     shifted_difficulty: int | None = None
+    spread: int = 0
 
     def validate(self, where: str = "rl.task") -> None:
+        if self.spread < 0:
+            raise ConfigError(f"{where}.spread={self.spread} must be >= 0 (0: one difficulty).")
         for field in ("difficulty", "shifted_difficulty"):
             value = getattr(self, field)
             if value is not None and not 1 <= value <= 8:
                 raise ConfigError(f"{where}.{field}={value} must be in [1, 8].")
+            if value is not None and value + self.spread > 8:
+                raise ConfigError(
+                    f"{where}.{field}={value} plus {where}.spread={self.spread} passes 8, the "
+                    f"hardest difficulty; lower the spread to at most {8 - value}."
+                )
         if self.shift_step < 0:
             raise ConfigError(f"{where}.shift_step={self.shift_step} must be >= 0 (0: no shift).")
 

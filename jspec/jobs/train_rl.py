@@ -65,7 +65,7 @@ from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
-from jspec.sampler.generation import decode_rows, row_shards
+from jspec.sampler.generation import compiled_programs, decode_rows, row_shards
 from jspec.sampler.tree_choice import TreeChooser
 
 EXPORT = "export"  # RUN_DIR/export/: the policy and draft in the layouts serving engines load
@@ -364,7 +364,8 @@ def finish_rollout(run: Run, job: InFlight):
         "rollout_time": seconds,
         "score_time": score_time,
         "lag": job.step - job.version,
-        "task": f"{name}:{difficulty}",
+        "rollout_programs": compiled_programs(),  # one per tree chosen (buckets are stages)
+        "task": f"{name}:{difficulty}" + (f"-{difficulty + rl.task.spread}" * bool(rl.task.spread)),
     }
     if rl.packed_rows:
         metrics["packed_rows"] = rows

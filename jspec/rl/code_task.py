@@ -57,6 +57,9 @@ from jspec.rl import sandbox
 Ints = tuple[int, ...]
 LOWEST, HIGHEST = -9, 20  # the ints of the inputs
 EXAMPLES, HIDDEN = 2, 6  # inputs shown in the docstring, and the hidden tests'
+# A right answer runs in milliseconds; a response that loops holds the step until its program is
+# killed, so the limit is short.
+TIMEOUT_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,8 +338,9 @@ def score(problems: Sequence[CodeProblem], responses: Sequence[str]) -> np.ndarr
     when the program does not run to its end (a syntax error, a crash, a hang, memory)."""
     markers = [secrets.token_hex(16) for _ in responses]
     programs = [program(p, r, m) for p, r, m in zip(problems, responses, markers, strict=True)]
+    outcomes = sandbox.run_many(programs, timeout_s=TIMEOUT_S)
     rewards = []
-    for p, outcome, marker in zip(problems, sandbox.run_many(programs), markers, strict=True):
+    for p, outcome, marker in zip(problems, outcomes, markers, strict=True):
         passed = re.findall(rf"^{marker} (\d+)$", outcome.stdout, re.MULTILINE)
         ran = outcome.returncode == 0 and passed
         rewards.append(min(int(passed[-1]), len(p.tests)) / len(p.tests) if ran else 0.0)

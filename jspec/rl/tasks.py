@@ -117,11 +117,14 @@ def task_at(config: TaskConfig, step: int) -> tuple[str, int]:
 
 def problems(config: TaskConfig, step: int, count: int, seed: int, stream: int = 0) -> list:
     """`count` problems of the task in effect at `step`, the same for the same (seed, stream,
-    step); streams keep data apart (0: RL prompts, 1: the SFT warm start)."""
+    step); streams keep data apart (0: RL prompts, 1: the SFT warm start). With a spread, each
+    problem's difficulty is drawn first (`TaskConfig.spread`)."""
     name, difficulty = task_at(config, step)
     check_task(name)
     rng = np.random.default_rng((seed, stream, step))
-    return [TASKS[name].make(rng, difficulty) for _ in range(count)]
+    odds = 0.5 ** np.arange(config.spread + 1)
+    draw = lambda: difficulty + int(rng.choice(len(odds), p=odds / odds.sum()))
+    return [TASKS[name].make(rng, draw() if config.spread else difficulty) for _ in range(count)]
 
 
 def rewards(config: TaskConfig, step: int, batch: Sequence[Any], responses: Sequence[str]):
@@ -129,11 +132,14 @@ def rewards(config: TaskConfig, step: int, batch: Sequence[Any], responses: Sequ
     return TASKS[task_at(config, step)[0]].score(batch, responses)
 
 
-def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 64) -> tuple[int, int]:
+def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 256) -> tuple[int, int]:
     """Tokens of the longest prompt and worked answer over the run's tasks (before and after the
-    shift): static shapes for rollouts and training rows."""
-    steps = (0, config.shift_step) if config.shift_step else (0,)
-    seen = [p for s in steps for p in problems(config, s, samples, seed)]
+    shift) at their hardest: static shapes for rollouts and training rows."""
+    seen = []
+    for step in (0, config.shift_step) if config.shift_step else (0,):
+        name, difficulty = task_at(config, step)
+        rng = np.random.default_rng((seed, 0, step))
+        seen += [TASKS[name].make(rng, difficulty + config.spread) for _ in range(samples)]
     longest = lambda texts: max(len(tokenizer.encode(t)) for t in texts)
     return longest(p.prompt for p in seen), longest(p.answer for p in seen)
 

@@ -154,6 +154,12 @@ def compile_generate(target, draft, prompts, prompt_lengths, key, config: Rollou
     _generate.lower(*args, config=config).compile()
 
 
+def compiled_programs() -> int:
+    """Rollout programs compiled so far in this process: one per shape and config (the buckets
+    of a rollout are stages of its one program)."""
+    return _generate._cache_size()
+
+
 def _generate_args(target, draft, prompts, prompt_lengths, key, config: RolloutConfig) -> tuple:
     check_generate_args(target, draft, prompts, prompt_lengths, config)
     target_def, target_state = nnx.split(target)

@@ -1,0 +1,131 @@
+"""Long-tailed rollouts: an RL step's batch generated with and without compaction into buckets,
+plainly and speculatively, on the run's own policy, draft, prompts and temperature.
+
+    python -m jspec.bench.long_tail rl.policy=runs/code rollout.draft.path=runs/code/draft \\
+        rl.task.spread=5 'rollout.buckets=[{rows: 32}, {rows: 8}]'
+
+The batch is an RL step's (`rl.prompts` problems of `rl.task`, `rl.group_size` responses each,
+at `rollout.temperature`); with `rl.task.spread` most responses are short and a few long, as in
+RL. Each variant generates the batches of `--steps` RL steps (one more first, which compiles),
+and the table gives their mean rollout seconds, tokens/s, verify steps, the share of decoded row
+steps that emitted (busy) and the accepted length, and the ratio to the speculative rollout with
+no compaction. `--same-length` adds the variants with the end token ignored, so that every row
+runs to rollout.max_new_tokens (the batch compaction cannot shorten). The programs compiled for
+the rollout are counted: one per variant, whatever the buckets (they are stages of one program).
+Prints a Markdown table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jspec import config as config_lib
+from jspec import hosts
+from jspec.jobs import cli, train_rl
+from jspec.rl import tasks
+from jspec.sampler import generate
+from jspec.sampler.generation import compiled_programs
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted config overrides (rollout.buckets too)")
+    p.add_argument("--config", default="code-rl")
+    p.add_argument("--steps", type=int, default=3, help="RL steps' batches timed per variant")
+    p.add_argument("--same-length", action="store_true", help="also every row at the length cap")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_long_tail.json"))
+    return p.parse_intermixed_args(argv)
+
+
+def variants(rollout: config_lib.RolloutConfig, same_length: bool) -> dict:
+    """(config, speculative, the variant it is compared with) of each variant, by name: the
+    speculative rollout with no buckets of the same lengths."""
+    if not rollout.buckets:
+        raise config_lib.ConfigError(
+            "rollout.buckets is empty: name the buckets compaction moves the rows into, e.g. "
+            "'rollout.buckets=[{rows: 32}, {rows: 8}]'."
+        )
+    whole = dataclasses.replace(rollout, buckets=())
+    out = {}
+    for suffix, eos in [("", rollout.eos_id)] + [(", same length", None)] * same_length:
+        for kind, speculative in (("speculative", True), ("plain", False)):
+            for name, config in ((kind, whole), (f"{kind} + buckets", rollout)):
+                config = dataclasses.replace(config, eos_id=eos)
+                out[name + suffix] = (config, speculative, f"speculative{suffix}")
+    return out
+
+
+def batches(run: train_rl.Run, steps: int) -> list:
+    """The prompts and their lengths of RL steps 0..steps, placed as the sampler places them."""
+    rl, out = run.rl, []
+    for step in range(steps + 1):
+        problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
+        group = [p for p in problems for _ in range(rl.group_size)]
+        encoded = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
+        out.append([hosts.global_array(run.decode_rows, x, rl.batch) for x in encoded])
+    return out
+
+
+def time_variant(run: train_rl.Run, models, data, config, speculative: bool) -> dict:
+    """Mean seconds and statistics of the rollouts of `data` after the first (which compiles)."""
+    policy, draft = models
+    draft = draft if speculative else None
+    seconds, tokens, stats = [], 0, []
+    for step, (prompts, lengths) in enumerate(data):
+        key = jax.random.fold_in(jax.random.key(run.cfg.seed), step)
+        start = time.perf_counter()
+        out = jax.block_until_ready(generate(policy, draft, prompts, lengths, key, config))
+        if step:
+            seconds.append(time.perf_counter() - start)
+            tokens += int(np.sum(jax.device_get(out.lengths)))
+            stats.append(jax.device_get(out.stats))
+    total = jax.tree.map(lambda *x: np.sum(x, axis=0), *stats)  # the steps' counts pooled
+    return {
+        "seconds": float(np.mean(seconds)),
+        "tokens_per_s": tokens / float(np.sum(seconds)),
+        "mean_length": tokens / (len(seconds) * run.rl.batch),
+        "iterations": int(total.iterations) / len(seconds),
+        "busy": total.busy(),
+        "accepted_length": total.mean_accepted_length(),
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = config_lib.load(args.config, args.overrides)
+    run = train_rl.Run(train_rl.check(cfg, "frozen", jax.device_count()), "frozen")
+    models = run.networks.models(run.initial_params)
+    data = batches(run, args.steps)
+    timed, rows = {}, []
+    for name, (config, speculative, base) in variants(run.cfg.rollout, args.same_length).items():
+        timed[name] = time_variant(run, models, data, config, speculative)
+        print(f"{name}: {timed[name]['seconds']:.3f} s", file=sys.stderr)
+        speedup = timed[base]["seconds"] / timed[name]["seconds"]
+        rows.append({"variant": name, **timed[name], "speedup_over_speculative": speedup})
+    print(
+        "| rollout | seconds | tokens/s | mean length | verify steps | busy | accepted | "
+        "speedup over speculative |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['mean_length']:.0f} | {r['iterations']:.0f} | {r['busy']:.2f} | "
+            f"{r['accepted_length']:.2f} | {r['speedup_over_speculative']:.2f}x |"
+        )
+    programs = compiled_programs()
+    print(f"rollout programs compiled: {programs} (variants: {len(rows)})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"config": args.config, "overrides": args.overrides, "programs": programs}
+    args.out.write_text(json.dumps({**summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

@@ -109,11 +109,13 @@ def summarize_mode(runs: list[list[dict]]) -> dict:
         "accepted_last": float(column("accepted_length", last).mean()),
         "agreement_last": _mean(runs, "agreement", last),
         "response_length": float(column("response_length", speed).mean()),
-        **{k: float(column(k, speed).mean()) for k in TIMES},
+        # Medians: a step that compiles (a run's first, and the first after each resume) takes
+        # seconds more, which a mean over the last steps of a short run would carry.
+        **{k: float(np.median(column(k, speed))) for k in TIMES},
         "other_time": float(
-            (column("step_time", speed) - sum(column(k, speed) for k in TIMES[:-1])).mean()
+            np.median(column("step_time", speed) - sum(column(k, speed) for k in TIMES[:-1]))
         ),
-        "rollout_tokens_per_s": float(column("rollout_tokens_per_s", speed).mean()),
+        "rollout_tokens_per_s": float(np.median(column("rollout_tokens_per_s", speed))),
     }
 
 

@@ -164,6 +164,19 @@ def test_draft_trained_for_another_target_is_refused(tmp_path):
     assert from_config(dataclasses.replace(config, path=str(without)), b) is not None
 
 
+def test_loaded_draft_computes_like_a_fresh_one():
+    """A draft loaded for a bfloat16 target computes and is stored as a fresh draft of that
+    target is, whatever dtype its checkpoint was saved in (here float32)."""
+    target = create(dataclasses.replace(FIXTURE_TARGET, dtype="bfloat16", remat="dots"), seed=0)
+    fixture = DraftConfig(kind="eagle3", path=str(FIXTURE), allow_other_target=True)
+    with pytest.warns(UserWarning, match="trained for another target"):
+        loaded = from_config(fixture, target)
+    fresh = from_config(DraftConfig(kind="eagle3"), target)
+    for name in ("dtype", "param_dtype", "remat"):
+        assert getattr(loaded.config.layer, name) == getattr(fresh.config.layer, name), name
+    assert loaded.config.layer.dtype == "bfloat16" and loaded.config.layer.remat == "dots"
+
+
 def test_speculators_layout_without_embedding_loads_the_same(tmp_path):
     path = rename_layer(FIXTURE, tmp_path / "spec", drop=("embed_tokens.weight",))
     draft, found = eagle_io.load(path)

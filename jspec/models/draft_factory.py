@@ -19,6 +19,10 @@ from jspec.models.draft import (
 )
 from jspec.models.transformer import Transformer, create
 
+# ModelConfig fields a loaded draft takes from the target it serves, not from its checkpoint: it
+# computes (dtype), is stored (param_dtype) and rematerialises (remat) as a fresh draft would.
+RUN_FIELDS = ("dtype", "param_dtype", "remat")
+
 
 def check_config(config: DraftConfig, target: ModelConfig) -> None:
     """Raises ConfigError when the draft `config` describes cannot serve `target`, from configs
@@ -38,10 +42,12 @@ def check_config(config: DraftConfig, target: ModelConfig) -> None:
 def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):
     """The draft `config` (a `DraftConfig`) describes for `target`, checked against it; None for
     kind 'none'. Loads `config.path` when given (an EAGLE-3 draft carrying an embedding copy other
-    than the target's is refused unless `config.allow_other_target`), else initialises randomly."""
+    than the target's is refused unless `config.allow_other_target`) in the target's RUN_FIELDS,
+    else initialises randomly."""
     config.validate()
     if config.kind == "none":
         return None
+    run = {name: getattr(target.config, name) for name in RUN_FIELDS}
     if config.kind == "eagle3":
         if config.path is not None:
             draft, _ = hf_eagle3.load(
@@ -49,12 +55,13 @@ def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: 
                 mesh=mesh,
                 target_embedding=target.embed[...],
                 allow_other_target=config.allow_other_target,
+                **run,
             )
         else:
             layer = Eagle3Config.for_target(target.config, config.vocab_size)
             draft = create_eagle3(layer, mesh=mesh, seed=seed)
     elif config.path is not None:
-        draft = ExternalDraft(hf.load(config.path, mesh=mesh))
+        draft = ExternalDraft(hf.load(config.path, mesh=mesh, **run))
     else:
         draft = ExternalDraft(create(config.model, mesh=mesh, seed=seed))
     check_target(draft, target.config)

@@ -68,8 +68,14 @@ def test_dotted_overrides():
         (["rollout.draft.kind=external"], r"needs rollout.draft.path .* or rollout.draft.model"),
         (["rollout.tree.kind=static", "rollout.tree.parents=[-1,1]"], r"parents\[1\]=1 is not"),
         (
-            ["rollout.tree.kind=dynamic", "rollout.tree.top_k=2", "rollout.tree.depth=2"],
+            ["rollout.tree.kind=dynamic", "rollout.tree.top_k=2", "rollout.tree.depth=2"]
+            + ["rollout.tree.sampled=false"],
             r"total_tokens=8 exceeds the 6 candidates",
+        ),
+        (
+            ["rollout.tree.kind=dynamic", "rollout.tree.top_k=2", "rollout.tree.depth=2"],
+            r"total_tokens=8: a sampled dynamic tree of depth=2 and top_k=2 is a chain of 2 "
+            r"nodes with up to 1 siblings beside each, 2 to 4 nodes",
         ),
         (["rollout.eos_id=256"], r"rollout.eos_id=256 is not a token of the vocabulary of size"),
         (["rollout.top_p=0"], r"rollout.top_p=0.0 must be in \(0, 1\]"),

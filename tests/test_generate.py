@@ -241,7 +241,16 @@ LOSSLESS = {
     "point-mass dynamic tree": dict(
         temperature=1.0,
         top_p=0.8,
-        tree=TreeConfig(kind="dynamic", depth=2, top_k=2, total_tokens=4),
+        tree=TreeConfig(kind="dynamic", depth=2, top_k=2, total_tokens=4, sampled=False),
+    ),
+    "sampled tree with siblings": dict(
+        temperature=1.0, top_p=1.0, tree=TreeConfig(kind="static", parents=(-1, -1, 0, 0))
+    ),
+    # A chain of 2 with 2 siblings where the draft is least sure.
+    "sampled dynamic tree": dict(
+        temperature=0.9,
+        top_p=0.9,
+        tree=TreeConfig(kind="dynamic", depth=2, top_k=3, total_tokens=4),
     ),
 }
 

@@ -224,7 +224,13 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
     }
     costs = tmp_path / "costs.json"
     costs.write_text(
-        json.dumps({"trees": {"chain 4": dataclasses.asdict(chain)}, "rows": [row(1), row(256)]})
+        json.dumps(
+            {
+                "args": {"temperature": 1.0},  # the demo's
+                "trees": {"chain 4": dataclasses.asdict(chain)},
+                "rows": [row(1), row(256)],
+            }
+        )
     )
     rows = loop(tmp_path / "run", cache, "rl.steps=2", "rl.sft_steps=5", f"rl.tree_costs={costs}")
     assert [r["tree"] for r in rows] == [tree, tree]

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import chi_square_p_value
 from jax.scipy.special import gammaincc
 
-from jspec.sampler import sample, sample_from_probs, sampling_probs
+from jspec.sampler import sample, sample_from_probs, sample_without_replacement, sampling_probs
 
 
 def reference_probs(logits, temperature, top_p, top_k):
@@ -87,6 +88,23 @@ def test_sample_follows_sampling_probs():
     expected = n * probs[probs > 0]
     stat = np.sum((observed[probs > 0] - expected) ** 2 / expected)
     assert float(gammaincc((expected.size - 1) / 2, stat / 2)) > 1e-3
+
+
+def test_sample_without_replacement_draws_in_order_without_repeats():
+    """Ordered pairs (a, b) with probability q(a) q(b) / (1 - q(a)); past the tokens with mass,
+    -1."""
+    q = jnp.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    draws = np.asarray(
+        sample_without_replacement(jax.random.key(5), jnp.broadcast_to(q, (n, 5)), 4)
+    )
+    assert (draws[:, 3] >= 0).all() and (draws[:, :4] != 4).all()
+    pairs = draws[:, 0] * 5 + draws[:, 1]
+    qa = np.asarray(q, np.float64)
+    joint = (qa[:, None] * qa[None, :] / (1 - qa[:, None])) * (1 - np.eye(5))
+    assert chi_square_p_value(pairs, joint.reshape(-1)) > 1e-3
+    one = sample_without_replacement(jax.random.key(6), jnp.array([[0.0, 1.0, 0.0]]), 2)
+    np.testing.assert_array_equal(one, [[1, -1]])
 
 
 def test_sample_from_probs_never_draws_zero_probability():

@@ -19,6 +19,7 @@ from jspec.sampler import (
     Tree,
     branch_layout,
     build_dynamic_tree,
+    build_sampled_dynamic_tree,
     build_static_tree,
     dynamic_tree_finish,
     dynamic_tree_init,
@@ -57,7 +58,7 @@ def paths(tree: Tree, row: int) -> list[tuple[int, ...]]:
     out = []
     for i, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
         assert -1 <= parent < i
-        out.append((out[parent] if parent >= 0 else ()) + (int(token),))
+        out.append((out[parent] if parent >= 0 else ()) + (int(token),))  # -1: a padding node
         assert depth[i] == len(out[-1])
     return out
 
@@ -222,8 +223,74 @@ def test_static_sampled_tree_records_the_distributions_it_drew_from():
                 np.testing.assert_allclose(probs[row, index], want, atol=1e-6)
             else:
                 assert not probs[row, index].any()
-        for i, path in enumerate(node_paths):  # every child was drawn from its parent's draft
-            assert probs[row, shape.parents[i] + 1, path[-1]] > 0
+        drew_from_parents(probs[row], np.asarray(tree.parents)[row], node_paths)
+
+
+def drew_from_parents(probs, parents, node_paths):
+    """Every child was drawn from its parent's draft, without replacement: siblings distinct, a
+    padding node only where its parent's draft has no token left for it."""
+    for i, path in enumerate(node_paths):
+        q = probs[parents[i] + 1]
+        siblings = [p[-1] for j, p in enumerate(node_paths[:i]) if parents[j] == parents[i]]
+        if path[-1] < 0:
+            assert np.count_nonzero(q) <= len(siblings)
+        else:
+            assert q[path[-1]] > 0 and path[-1] not in siblings
+
+
+def sampled_dynamic(table, key, **kwargs):
+    b = table.shape[0]
+    codes = jnp.zeros((b, 1), jnp.int32)
+    step = functools.partial(draft_step, table)
+    return build_sampled_dynamic_tree(table[:, 0], step, codes, key=key, **kwargs)[0]
+
+
+def test_sampled_dynamic_tree_is_a_sampled_chain_with_siblings_beside_it():
+    """A chain of `depth`, then `total_tokens - depth` siblings of its nodes (leaves, at most
+    children - 1 a node), level by level; each node's children drawn from its draft without
+    replacement; the distributions at the root and the chain's nodes recorded, none elsewhere."""
+    depth, children, total, kwargs = 3, 3, 6, dict(temperature=0.8, top_p=0.9)
+    table = draft_table(batch=64, depth=depth, seed=6)
+    build = jax.jit(
+        functools.partial(
+            sampled_dynamic, depth=depth, children=children, total_tokens=total, **kwargs
+        )
+    )
+    tree = build(table, jax.random.key(1))
+    parents, probs = np.asarray(tree.parents), np.asarray(tree.draft_probs)
+    table_probs = np.asarray(sampling_probs(table, **kwargs))
+    assert tree.tokens.shape == (64, total) and probs.shape == (64, total + 1, V)
+    for row in range(64):
+        node_paths = paths(tree, row)
+        assert list(parents[row, :depth]) == list(range(-1, depth - 1))
+        leaves = parents[row, depth:]
+        assert (np.diff(leaves) >= 0).all() and (leaves < depth - 1).all()
+        assert np.bincount(leaves + 1).max() <= children - 1
+        for index in range(depth):  # the root, then the chain's nodes with children
+            want = table_probs[row, prefix_index(node_paths[index - 1] if index else ())]
+            np.testing.assert_allclose(probs[row, index], want, atol=1e-6)
+        assert not probs[row, depth:].any()
+        drew_from_parents(probs[row], parents[row], node_paths)
+
+
+def test_sampled_dynamic_tree_puts_its_siblings_where_the_draft_is_least_sure():
+    """A flat draft at the root and a sure one below: every sibling is a child of the root; the
+    other way round, none is."""
+    table = np.zeros((8, 1 + V, V), np.float32)  # the root's logits, then each child's
+    table[:, 1:, 0] = 20.0  # below the root the draft is sure
+    build = functools.partial(sampled_dynamic, depth=2, children=3, total_tokens=4)
+    tree = build(jnp.asarray(table), jax.random.key(2))
+    assert (np.asarray(tree.parents)[:, 2:] == -1).all()
+    table[:, 0, 1], table[:, 1:] = 20.0, 0.0  # now the root is sure and its children are flat
+    tree = build(jnp.asarray(table), jax.random.key(2))
+    assert (np.asarray(tree.parents)[:, 2:] == 0).all()
+
+
+@pytest.mark.parametrize("total_tokens", [1, 7])
+def test_sampled_dynamic_tree_of_a_size_it_cannot_hold_is_refused(total_tokens):
+    table = draft_table(batch=2, depth=2, seed=0)
+    with pytest.raises(ValueError, match=f"holds 2 to 6 nodes; total_tokens={total_tokens}"):
+        sampled_dynamic(table, jax.random.key(0), depth=2, children=3, total_tokens=total_tokens)
 
 
 def test_branch_layout():

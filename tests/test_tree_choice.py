@@ -42,9 +42,9 @@ def test_costs_from_bench_json(tmp_path):
     assert StepCosts.from_bench(path) == COSTS
 
 
-def bench_json(path, trees, accepted, busy=None):
-    """A bench_rollout JSON over COSTS' batches: the trees' fields and, per batch, each tree's cost,
-    accepted length and share of busy row-steps (`busy`, 1 by default)."""
+def bench_json(path, trees, accepted, busy=None, temperature=1.0):
+    """A bench_rollout JSON over COSTS' batches at `temperature`: the trees' fields and, per batch,
+    each tree's cost, accepted length and share of busy row-steps (`busy`, 1 by default)."""
     busy = busy or {}
     step = lambda t, i: {
         "step_in_decode_steps": COSTS.cost[t][i],
@@ -56,7 +56,8 @@ def bench_json(path, trees, accepted, busy=None):
         for i, b in enumerate(COSTS.batches)
     ]
     fields = {t: dataclasses.asdict(tree) for t, tree in trees.items()}
-    path.write_text(json.dumps({"trees": fields, "rows": rows}))
+    args = {"temperature": temperature}
+    path.write_text(json.dumps({"args": args, "trees": fields, "rows": rows}))
     return path
 
 
@@ -67,7 +68,7 @@ TREES = {
 
 
 def test_chooser_follows_the_measured_acceptance(tmp_path):
-    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED))
+    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED), 1.0)
     assert chooser.pick(1) == ("dynamic", TREES["dynamic"])  # the tree (a tuple) comes back whole
     assert chooser.pick(64) == ("chain", TREES["chain"])
     for _ in range(10):  # the dynamic tree accepts less than the bench said: the chain wins at 1
@@ -82,7 +83,7 @@ def test_rows_that_idle_count_against_a_tree(tmp_path):
     """A tree whose rows finish unevenly (half their steps idle) loses to one that accepts less;
     plain decoding's idle rows count against it too."""
     path = bench_json(tmp_path / "b.json", TREES, ACCEPTED, busy={"dynamic": 0.5})
-    chooser = TreeChooser.from_bench(path)
+    chooser = TreeChooser.from_bench(path, 1.0)
     assert chooser.estimate == pytest.approx({"chain": 2.5, "dynamic": 1.6})
     assert chooser.pick(1)[0] == "chain"
     assert choose_tree(COSTS, 256, ACCEPTED) == (None, 1.0)
@@ -90,7 +91,7 @@ def test_rows_that_idle_count_against_a_tree(tmp_path):
 
 
 def test_chooser_decodes_plainly_where_no_tree_pays_and_probes(tmp_path):
-    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED))
+    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED), 1.0)
     chooser.probe_every = 3
     picks = [chooser.pick(256)[0] for _ in range(6)]
     assert picks == [None, None, "chain", None, None, "chain"]  # 2.5 / 3.0 beats 3.2 / 6.0
@@ -98,13 +99,21 @@ def test_chooser_decodes_plainly_where_no_tree_pays_and_probes(tmp_path):
 
 def test_chooser_needs_a_bench_of_speculative_steps(tmp_path):
     with pytest.raises(ConfigError, match="rl.tree_costs='.*missing.json' is not a file"):
-        TreeChooser.from_bench(tmp_path / "missing.json")
+        TreeChooser.from_bench(tmp_path / "missing.json", 1.0)
     path = tmp_path / "plain.json"
     path.write_text(json.dumps({"trees": {}, "rows": [{"batch": 1, "speculative": {}}]}))
     with pytest.raises(ConfigError, match="holds no timed speculative steps"):
-        TreeChooser.from_bench(path)
+        TreeChooser.from_bench(path, 1.0)
     bench = json.loads(bench_json(path, TREES, ACCEPTED).read_text())
     del bench["rows"][1]["speculative"]["chain"]
     path.write_text(json.dumps(bench))
     with pytest.raises(ConfigError, match=r"batch 64 has no step of \['chain'\]"):
-        TreeChooser.from_bench(path)
+        TreeChooser.from_bench(path, 1.0)
+
+
+def test_costs_measured_at_another_temperature_are_refused(tmp_path):
+    """Acceptance depends on the temperature: greedy figures are no prior for RL's sampling."""
+    path = bench_json(tmp_path / "b.json", TREES, ACCEPTED, temperature=0.0)
+    with pytest.raises(ConfigError, match=r"at temperature 0.0, but rollout.temperature=1.0"):
+        TreeChooser.from_bench(path, 1.0)
+    assert TreeChooser.from_bench(path, 0.0).pick(1)[0] == "dynamic"

@@ -10,9 +10,11 @@ accept it at p > 1e-3. Every mutation below breaks one rule on the real code pat
 must reject it at p < 1e-3 (in practice p is far smaller).
 """
 
+import contextlib
 import dataclasses
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,14 @@ import pytest
 from helpers import chi_square_p_value
 
 import jspec.sampler.acceptance as acceptance
-from jspec.sampler import StaticTree, build_static_tree, emitted_tokens, sampling_probs
+import jspec.sampler.tree as tree_lib
+from jspec.sampler import (
+    StaticTree,
+    build_sampled_dynamic_tree,
+    build_static_tree,
+    emitted_tokens,
+    sampling_probs,
+)
 from jspec.sampler.acceptance import verify
 from jspec.sampler.sampling import _keep, _top_p_mask
 
@@ -30,6 +39,15 @@ TRIALS = 100_000
 P_VALUE = 1e-3
 FAN_OUT = StaticTree((-1, -1, -1, 0, 0, 1, 1, 2, 2))  # three siblings, two children each
 INTERLEAVED = StaticTree((-1, 0, -1, 1, 0, 2))  # siblings not contiguous; depth 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledDynamic:
+    """The arguments of `build_sampled_dynamic_tree` (its nodes' parents differ by row)."""
+
+    depth: int
+    children: int
+    total_tokens: int
 
 
 def offsets(length: int) -> np.ndarray:
@@ -67,14 +85,15 @@ class ToyModels:
         codes = parent_codes * V + frontier.tokens
         return self.draft[jnp.asarray(offsets(self.length))[frontier.depth] + codes], codes
 
-    def target_logits(self, shape: StaticTree, tokens):
-        """[B, N + 1, V]: at the root, then after every node's path."""
-        codes, rows = [], [jnp.zeros(tokens.shape[0], jnp.int32)]
-        for i, parent in enumerate(shape.parents):
-            parent_code = codes[parent] if parent >= 0 else 0
-            codes.append(parent_code * V + jnp.maximum(tokens[:, i], 0))
-            rows.append(offsets(self.length)[shape.depth[i]] + codes[-1])
-        return self.target[jnp.stack(rows, axis=1)]
+    def target_logits(self, parents, depth, tokens):
+        """[B, N + 1, V]: at the root, then after every node's path (parents, depth: [B, N])."""
+        codes = jnp.zeros((tokens.shape[0], 1), jnp.int32)  # column 0: the root
+        for i in range(tokens.shape[1]):
+            parent_code = jnp.take_along_axis(codes, parents[:, i : i + 1] + 1, axis=1)
+            code = parent_code * V + jnp.maximum(tokens[:, i : i + 1], 0)
+            codes = jnp.concatenate([codes, code], axis=1)
+        first = jnp.asarray(offsets(self.length))[jnp.pad(depth, ((0, 0), (1, 0)))]
+        return self.target[first + codes]
 
     def joint(self, temperature, top_p, top_k=0):
         """Exact probability of every sequence of L tokens sampled one by one from the target."""
@@ -115,24 +134,41 @@ def dedup_siblings(shape: StaticTree, tokens):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("shape", "sampled", "temperature", "top_p", "top_k", "padding", "mutate_tree"),
+    static_argnames=(
+        "shape",
+        "sampled",
+        "temperature",
+        "top_p",
+        "top_k",
+        "padding",
+        "mutate_tree",
+        "without_replacement",
+    ),
 )
 def emitted_codes(
-    key, models, *, shape, sampled, temperature, top_p, top_k=0, padding=(), mutate_tree=None
+    key,
+    models,
+    *,
+    shape,
+    sampled,
+    temperature,
+    top_p,
+    top_k=0,
+    padding=(),
+    mutate_tree=None,
+    without_replacement=True,
 ):
     draft_key, verify_key, continue_key = jax.random.split(key, 3)
     root = jnp.broadcast_to(models.draft[0], (TRIALS, V))
     codes = jnp.zeros((TRIALS, 1), jnp.int32)
-    tree, _ = build_static_tree(
-        shape,
-        root,
-        models.draft_step,
-        codes,
-        key=draft_key if sampled else None,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-    )
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    if isinstance(shape, SampledDynamic):
+        tree, _ = build_sampled_dynamic_tree(
+            root, models.draft_step, codes, key=draft_key, **dataclasses.asdict(shape), **sampling
+        )
+    else:
+        key = draft_key if sampled else None
+        tree, _ = build_static_tree(shape, root, models.draft_step, codes, key=key, **sampling)
     tokens = tree.tokens.at[:, list(padding)].set(-1)
     if mutate_tree is not None:
         tokens = mutate_tree(shape, tokens)
@@ -140,22 +176,41 @@ def emitted_codes(
         verify_key,
         tokens,
         tree.parents,
-        models.target_logits(shape, tokens),
+        models.target_logits(tree.parents, tree.depth, tokens),
         tree.draft_probs,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        **sampling,
+        without_replacement=without_replacement,
     )
     emitted = emitted_tokens(tokens, verdict)
     return continue_from_target(continue_key, models, emitted, temperature, top_p, top_k)
 
 
-def lossless_p_value(seed=0, **case) -> float:
-    models = ToyModels.make(length=int(case["shape"].depth.max()) + 1, seed=seed)
-    codes = emitted_codes(jax.random.key(seed + 1), models, **case)
+def lossless_p_value(seed=0, replacement=False, **case) -> float:
+    """The chi-square p-value of one case; `replacement`: siblings drawn i.i.d. (with replacement)
+    and verified so."""
+    shape = case["shape"]
+    depth = shape.depth if isinstance(shape, SampledDynamic) else int(shape.depth.max())
+    models = ToyModels.make(length=depth + 1, seed=seed)
+    with drawn_with_replacement() if replacement else contextlib.nullcontext():
+        codes = emitted_codes(
+            jax.random.key(seed + 1), models, without_replacement=not replacement, **case
+        )
     return chi_square_p_value(
         codes, models.joint(case["temperature"], case["top_p"], case.get("top_k", 0))
     )
+
+
+def draw_with_replacement(key, probs, k):
+    """k independent draws per row from `probs`: the tree builders' siblings, i.i.d."""
+    log_probs = jnp.log(jnp.where(probs > 0, probs, 0.0))
+    draws = jax.random.categorical(key, log_probs, shape=(k, *probs.shape[:-1]))
+    return jnp.moveaxis(draws, 0, -1).astype(jnp.int32)
+
+
+def drawn_with_replacement():
+    """The tree builders draw siblings i.i.d. (their traces with it are apart: verification with
+    replacement is its own static argument of `emitted_codes`)."""
+    return mock.patch.object(tree_lib, "sample_without_replacement", draw_with_replacement)
 
 
 CASES = {
@@ -165,6 +220,23 @@ CASES = {
     "point-mass tree": dict(shape=FAN_OUT, sampled=False, temperature=0.6, top_p=0.85),
     "sampled tree with padding and top-k": dict(
         shape=INTERLEAVED, sampled=True, temperature=1.2, top_p=0.95, top_k=3, padding=(4,)
+    ),
+    "sampled tree drawn with replacement": dict(
+        shape=FAN_OUT, sampled=True, temperature=0.8, top_p=1.0, replacement=True
+    ),
+    # A chain of 2 and 3 siblings beside it where the draft is least sure, at most 2 a level;
+    # with top-p, some levels have fewer tokens than siblings (padding nodes).
+    "sampled dynamic tree": dict(
+        shape=SampledDynamic(depth=2, children=3, total_tokens=5),
+        sampled=True,
+        temperature=1.0,
+        top_p=1.0,
+    ),
+    "sampled dynamic tree with top-p": dict(
+        shape=SampledDynamic(depth=2, children=3, total_tokens=5),
+        sampled=True,
+        temperature=0.9,
+        top_p=0.8,
     ),
     "point-mass tree with padding": dict(
         shape=INTERLEAVED, sampled=False, temperature=0.9, top_p=0.8, padding=(2,)
@@ -193,18 +265,20 @@ def test_lossless(name):
 _reject_sampled_correct = acceptance._reject_sampled
 
 
-def _q_not_kept(p, q, x):
-    residual, _ = _reject_sampled_correct(p, q, x)
-    q_without_x = jnp.where(jnp.arange(q.shape[-1]) == x[:, None], 0.0, q)
-    return residual, acceptance._renormalise(q_without_x, q)  # q as if drawn without x
+def _q_not_kept(p, q, x, without_replacement):
+    return _reject_sampled_correct(p, q, x, True)  # q as if drawn without x
+
+
+def _q_kept(p, q, x, without_replacement):
+    return _reject_sampled_correct(p, q, x, False)  # q as if drawn with replacement
 
 
 def _top_p_on_residual(top_p):
     def target_probs(logits, temperature, _, top_k):
         return sampling_probs(logits, temperature=temperature, top_k=top_k)
 
-    def reject_sampled(p, q, x):
-        residual, q = _reject_sampled_correct(p, q, x)
+    def reject_sampled(p, q, x, without_replacement):
+        residual, q = _reject_sampled_correct(p, q, x, without_replacement)
         return _keep(residual, _top_p_mask(residual, top_p)), q
 
     return target_probs, reject_sampled
@@ -218,7 +292,17 @@ def _before_temperature(logits, temperature, top_p, top_k):
 MUTATIONS = {
     "q not kept after rejecting an i.i.d. sibling": (
         dict(_reject_sampled=_q_not_kept),
+        "sampled tree drawn with replacement",
+        None,
+    ),
+    "q kept after rejecting a sibling drawn without replacement": (
+        dict(_reject_sampled=_q_kept),
         "sampled tree",
+        None,
+    ),
+    "siblings of the sampled dynamic tree verified as if drawn i.i.d.": (
+        dict(_reject_sampled=_q_kept),
+        "sampled dynamic tree",
         None,
     ),
     "top-p applied to the residual instead of the target": (
@@ -226,7 +310,11 @@ MUTATIONS = {
         "sampled chain",
         None,
     ),
-    "siblings deduplicated": (dict(), "sampled tree", dedup_siblings),
+    "siblings drawn with replacement deduplicated": (
+        dict(),
+        "sampled tree drawn with replacement",
+        dedup_siblings,
+    ),
     "target distribution taken before temperature": (
         dict(_target_probs=_before_temperature),
         "point-mass tree",
@@ -315,13 +403,17 @@ def test_equal_target_and_draft_accept_everything_and_stay_finite():
 
 def test_residual_without_mass_falls_back_to_the_target():
     p = jnp.array([[0.25, 0.25, 0.5, 0.0]])
-    np.testing.assert_array_equal(acceptance._reject_sampled(p, p, jnp.array([2]))[0], p)
+    np.testing.assert_array_equal(acceptance._reject_sampled(p, p, jnp.array([2]), False)[0], p)
     point = jnp.array([[0.0, 1.0, 0.0, 0.0]])
     np.testing.assert_array_equal(acceptance._renormalise(jnp.zeros_like(point), point), point)
     q = jnp.array([[0.5, 0.25, 0.25, 0.0]])
-    residual, q_after = acceptance._reject_sampled(p, q, jnp.array([0]))
+    residual, q_after = acceptance._reject_sampled(p, q, jnp.array([0]), False)
     np.testing.assert_allclose(residual, [[0.0, 0.0, 1.0, 0.0]])
     np.testing.assert_array_equal(q_after, q)
+    _, q_without = acceptance._reject_sampled(p, q, jnp.array([0]), True)
+    np.testing.assert_allclose(q_without, [[0.0, 0.5, 0.5, 0.0]])
+    _, q_only = acceptance._reject_sampled(p, point, jnp.array([1]), True)  # nothing left: q
+    np.testing.assert_array_equal(q_only, point)
 
 
 def sequential_point_mass_walk(u, tokens, parents, p_all):

@@ -73,9 +73,11 @@ def parse_args(argv=None):
         "--trees",
         nargs="+",
         choices=list(TREES),
-        default=list(DEFAULT_TREES),
+        default=None,
         metavar="NAME",
-        help=f"the draft trees timed, of {', '.join(map(repr, TREES))}",
+        help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; by default those of "
+        f"the temperature: {' and '.join(map(repr, DEFAULT_TREES[True]))} above 0, "
+        f"{' and '.join(map(repr, DEFAULT_TREES[False]))} at 0",
     )
     p.add_argument(
         "--draft-vocab",
@@ -135,29 +137,45 @@ def parse_args(argv=None):
         "and decode; with --trained, of the trained target and draft",
     )
     p.add_argument("--out", default="bench_rollout.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.trees = args.trees or list(DEFAULT_TREES[args.temperature > 0])
+    return args
 
 
 # Trees of the speculative steps timed: a step's cost in decode steps is the accepted length at
-# which speculation breaks even. "+ 2 siblings": the draft's second choice beside the chain's first
-# two nodes, as leaves (a second chance where a miss is likeliest, for no more draft forwards);
-# "+ 4 siblings": its second and third beside the first, its second beside the second and third.
+# which speculation breaks even. Names without "sampled" are argmax trees (the draft's top-ranked
+# tokens, verified as point masses); "sampled" ones are drawn from the draft (at temperature 0
+# they too take its top-ranked tokens). "+ 2 siblings": the draft's second choice beside the
+# chain's first two nodes, as leaves (a second chance where a miss is likeliest, for no more draft
+# forwards); "+ 4 siblings": its second and third beside the first, its second beside the second
+# and third. "sampled dynamic 8": a sampled chain of 5 and 3 siblings where the draft is least
+# sure, the 8 nodes SGLang's EAGLE-2 default verifies.
+CHAIN_4_2 = (-1, -1, 0, 0, 2, 4)
 TREES = {  # the trees `--trees` may name
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
     "chain 6": TreeConfig(kind="chain", depth=6, sampled=False),
-    "sampled chain 4": TreeConfig(kind="chain", depth=4, sampled=True),  # drafts drawn from the
-    "sampled chain 6": TreeConfig(kind="chain", depth=6, sampled=True),  # draft's distribution
-    "chain 4 + 2 siblings": TreeConfig(kind="static", parents=(-1, -1, 0, 0, 2, 4), sampled=False),
+    "sampled chain 4": TreeConfig(kind="chain", depth=4, sampled=True),
+    "sampled chain 6": TreeConfig(kind="chain", depth=6, sampled=True),
+    "chain 4 + 2 siblings": TreeConfig(kind="static", parents=CHAIN_4_2, sampled=False),
+    "sampled chain 4 + 2 siblings": TreeConfig(kind="static", parents=CHAIN_4_2, sampled=True),
     "chain 6 + 2 siblings": TreeConfig(
         kind="static", parents=(-1, -1, 0, 0, 2, 4, 5, 6), sampled=False
     ),
     "chain 6 + 4 siblings": TreeConfig(
         kind="static", parents=(-1, -1, -1, 0, 0, 3, 3, 5, 7, 8), sampled=False
     ),
-    "dynamic 8 (SGLang)": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
-    "dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16),
+    "dynamic 8 (SGLang)": TreeConfig(
+        kind="dynamic", depth=5, top_k=4, total_tokens=8, sampled=False
+    ),
+    "dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16, sampled=False),
+    "sampled dynamic 8": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
 }
-DEFAULT_TREES = ("chain 4", "dynamic 8 (SGLang)")
+# The trees timed by default, by whether the temperature is above 0: RL samples at 1, where
+# argmax trees are accepted far less than trees drawn from the draft.
+DEFAULT_TREES = {
+    True: ("sampled chain 4", "sampled dynamic 8"),
+    False: ("chain 4", "dynamic 8 (SGLang)"),
+}
 
 
 def timed_trees(args) -> dict[str, TreeConfig]:

@@ -17,11 +17,19 @@ class TreeConfig:
     """The draft tree each verify step checks.
 
     kind 'chain': `depth` nodes in a line. 'static': the topology `parents` (parents[i] is node
-    i's parent, -1 for a child of the root, parents first). With `sampled`, chain and static
-    children are drawn from the draft and verified against its probabilities; otherwise they are
-    the draft's top-ranked tokens, verified as point masses. 'dynamic': an EAGLE-2 tree, `top_k`
-    children of the `top_k` best nodes per level for `depth` levels, reranked to `total_tokens`
-    nodes (point masses). `verify_budget` bounds the nodes of one verify forward.
+    i's parent, -1 for a child of the root, parents first). 'dynamic': `total_tokens` nodes over
+    `depth` levels, at most `top_k` children a node, shaped by the draft as it drafts.
+
+    With `sampled` (at a temperature above 0: what RL samples at), a node's children are drawn
+    from the draft without replacement and verified against its probabilities, and a 'dynamic'
+    tree is a sampled chain of `depth` nodes with `total_tokens - depth` siblings beside its
+    nodes where the draft is least sure (`jspec.sampler.tree.build_sampled_dynamic_tree`).
+    Otherwise (and at temperature 0) children are the draft's top-ranked tokens, verified as
+    point masses, and a 'dynamic' tree is EAGLE-2's: `top_k` children of the `top_k` best nodes
+    per level, reranked to `total_tokens` nodes. A point-mass node is accepted with the target's
+    probability of its one token, a sampled one with 1 - TV(target, draft): at temperature 1 the
+    sampled trees accept more than twice as many tokens (docs/sampler.md).
+    `verify_budget` bounds the nodes of one verify forward.
     """
 
     kind: str = "chain"
@@ -38,7 +46,7 @@ class TreeConfig:
             return len(self.parents or ())
         return self.depth if self.kind == "chain" else self.total_tokens
 
-    def validate(self, where: str = "rollout.tree") -> None:
+    def validate(self, where: str = "rollout.tree", temperature: float = 1.0) -> None:
         choice(f"{where}.kind", self.kind, _TREE_KINDS)
         if self.kind == "static":
             parents = self.parents or ()
@@ -53,7 +61,15 @@ class TreeConfig:
             for name in ("depth",) + (("top_k", "total_tokens") if self.kind == "dynamic" else ()):
                 if getattr(self, name) < 1:
                     raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
-        if self.kind == "dynamic":
+        if self.kind == "dynamic" and self.sampled and temperature > 0:
+            if not self.depth <= self.total_tokens <= self.depth * self.top_k:
+                raise ConfigError(
+                    f"{where}.total_tokens={self.total_tokens}: a sampled dynamic tree of "
+                    f"depth={self.depth} and top_k={self.top_k} is a chain of {self.depth} nodes "
+                    f"with up to {self.top_k - 1} siblings beside each, {self.depth} to "
+                    f"{self.depth * self.top_k} nodes; set total_tokens within them."
+                )
+        elif self.kind == "dynamic":
             pool = self.top_k + (self.depth - 1) * self.top_k**2
             if self.total_tokens > pool:
                 raise ConfigError(
@@ -137,11 +153,11 @@ class Bucket:
     rows: int
     tree: TreeConfig | None = None
 
-    def validate(self, where: str) -> None:
+    def validate(self, where: str, temperature: float) -> None:
         if self.rows < 1:
             raise ConfigError(f"{where}.rows={self.rows} must be >= 1.")
         if self.tree is not None:
-            self.tree.validate(f"{where}.tree")
+            self.tree.validate(f"{where}.tree", temperature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +216,9 @@ class RolloutConfig:
                 "batch than the one before."
             )
         for i, bucket in enumerate(self.buckets):
-            bucket.validate(f"{where}.buckets[{i}]")
+            bucket.validate(f"{where}.buckets[{i}]", self.temperature)
         self.draft.validate(f"{where}.draft")
-        self.tree.validate(f"{where}.tree")
+        self.tree.validate(f"{where}.tree", self.temperature)
         self.kernels.validate(f"{where}.kernels")
         if self.draft.kind == "eagle3":
             model.check_taps()

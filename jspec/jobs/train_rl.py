@@ -124,7 +124,8 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
     if mode != "none":
         draft_factory.check_config(cfg.rollout.draft, cfg.model)
     if rl.tree_costs is not None and mode != "none":
-        TreeChooser.from_bench(rl.tree_costs)  # the file reads and names its trees
+        # The file reads, names its trees and measured at the rollouts' temperature.
+        TreeChooser.from_bench(rl.tree_costs, cfg.rollout.temperature)
     policy = _check_policy(cfg)
     tokenizer = tokenizers.load(rl.tokenizer, rl.eos_token, policy)
     if cfg.rollout.eos_id is None:
@@ -188,7 +189,7 @@ class Run:
         self.mesh, self.rollout_mesh = meshes.split_meshes(cfg.mesh, self.rl.rollout_mesh)
         self.trees = None
         if self.rl.tree_costs is not None and mode != "none":
-            self.trees = TreeChooser.from_bench(self.rl.tree_costs)
+            self.trees = TreeChooser.from_bench(self.rl.tree_costs, cfg.rollout.temperature)
         self.networks, self.initial_params = self._build(self.mesh, load)
         self.sampler_networks = self.networks
         if self.rollout_mesh is not None:  # the rollout mesh's own graphs; its weights come later

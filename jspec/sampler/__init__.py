@@ -8,7 +8,12 @@ tests.
 
 from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
 from jspec.sampler.generation import Rollout, RolloutStats, compile_generate, generate, rollout
-from jspec.sampler.sampling import sample, sample_from_probs, sampling_probs
+from jspec.sampler.sampling import (
+    sample,
+    sample_from_probs,
+    sample_without_replacement,
+    sampling_probs,
+)
 from jspec.sampler.tree import (
     BranchLayout,
     DynamicTreeState,
@@ -17,6 +22,7 @@ from jspec.sampler.tree import (
     Tree,
     branch_layout,
     build_dynamic_tree,
+    build_sampled_dynamic_tree,
     build_static_tree,
     dynamic_tree_finish,
     dynamic_tree_init,
@@ -34,6 +40,7 @@ __all__ = [
     "Verdict",
     "branch_layout",
     "build_dynamic_tree",
+    "build_sampled_dynamic_tree",
     "build_static_tree",
     "compile_generate",
     "dynamic_tree_finish",
@@ -43,6 +50,7 @@ __all__ = [
     "generate",
     "sample",
     "sample_from_probs",
+    "sample_without_replacement",
     "rollout",
     "sampling_probs",
     "verify",

@@ -15,9 +15,11 @@ The rules, one function each:
   node would face if tested is known beforehand (p at its parent without its earlier siblings'
   tokens), so every node's test is drawn at once and the walk is a few [B, N, N] steps, with one
   pass over the vocabulary, for the next token (`_walk_point_mass`).
-- sampled proposals (siblings drawn i.i.d. from q; a chain is the one-sibling case, Leviathan /
-  Chen): accept with probability min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)) and q
-  is kept unchanged (SpecInfer multi-step speculative sampling). Each residual depends on the one
+- sampled proposals (a chain is the one-sibling case, Leviathan / Chen): accept with probability
+  min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)). Siblings drawn i.i.d. from q keep q
+  unchanged (SpecInfer multi-step speculative sampling); siblings drawn without replacement, in
+  index order, take x out of q and renormalise (recursive rejection sampling without replacement,
+  SpecTr / Jeon et al. 2024: no sibling repeats a rejected token). Each residual depends on the one
   before, so this walk costs N steps of O(V) (`_walk_sampled`).
 - the next token is drawn from p as it stands at the last accepted node: the target itself (a
   bonus token) if no child there was rejected, the residual otherwise.
@@ -78,12 +80,18 @@ def _accept_sampled(
 
 
 def _reject_sampled(
-    p: Float[Array, "b v"], q: Float[Array, "b v"], x: Int[Array, " b"]
+    p: Float[Array, "b v"],
+    q: Float[Array, "b v"],
+    x: Int[Array, " b"],
+    without_replacement: bool,
 ) -> tuple[Float[Array, "b v"], Float[Array, "b v"]]:
-    """New (p, q) after rejecting sibling x: p <- norm(max(p - q, 0)); q is kept, because the
-    next sibling was drawn from q independently of x."""
-    del x
-    return _renormalise(jnp.maximum(p - q, 0.0), p), q
+    """New (p, q) after rejecting sibling x: p <- norm(max(p - q, 0)); q is kept when the next
+    sibling was drawn from q independently of x, and loses x (renormalised) when it was drawn
+    without replacement."""
+    residual = _renormalise(jnp.maximum(p - q, 0.0), p)
+    if not without_replacement:
+        return residual, q
+    return residual, _renormalise(jnp.where(jnp.arange(q.shape[-1]) == x[:, None], 0.0, q), q)
 
 
 def _point_mass_acceptance(
@@ -147,6 +155,7 @@ def _walk_sampled(
     parents: Int[Array, "b n"],
     p_all: Float[Array, "b n1 v"],
     q_all: Float[Array, "b n1 v"],
+    without_replacement: bool,
 ) -> tuple[Int[Array, "b n"], Int[Array, " b"], Float[Array, "b v"]]:
     """The walk of sampled proposals, one node a step: (path, num_accepted, the distribution of
     the next token), for every row at once."""
@@ -157,7 +166,7 @@ def _walk_sampled(
         x = jnp.maximum(tokens[:, i], 0)
         tested = (parents[:, i] + 1 == current) & (tokens[:, i] >= 0)
         accepted = tested & _accept_sampled(u[:, i], p, q, x)
-        p_rejected, q_rejected = _reject_sampled(p, q, x)
+        p_rejected, q_rejected = _reject_sampled(p, q, x, without_replacement)
         rejected = (tested & ~accepted)[:, None]
         p = jnp.where(accepted[:, None], p_all[:, i + 1], jnp.where(rejected, p_rejected, p))
         q = jnp.where(accepted[:, None], q_all[:, i + 1], jnp.where(rejected, q_rejected, q))
@@ -172,8 +181,21 @@ def _walk_sampled(
     return path, num, p
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
-def _verify(key, tokens, parents, target_logits, draft_probs, *, temperature, top_p, top_k):
+@functools.partial(
+    jax.jit, static_argnames=("temperature", "top_p", "top_k", "without_replacement")
+)
+def _verify(
+    key,
+    tokens,
+    parents,
+    target_logits,
+    draft_probs,
+    *,
+    temperature,
+    top_p,
+    top_k,
+    without_replacement,
+):
     walk_key, next_key = jax.random.split(key)
     u = jax.random.uniform(walk_key, tokens.shape)
     p_all = _target_probs(target_logits, temperature, top_p, top_k)
@@ -182,7 +204,9 @@ def _verify(key, tokens, parents, target_logits, draft_probs, *, temperature, to
         path, num_accepted, p_next = _walk_point_mass(u, tokens, parents, p_all)
     else:
         q_all = draft_probs.astype(jnp.float32)
-        path, num_accepted, p_next = _walk_sampled(u, tokens, parents, p_all, q_all)
+        path, num_accepted, p_next = _walk_sampled(
+            u, tokens, parents, p_all, q_all, without_replacement
+        )
     return Verdict(path, num_accepted, sample_from_probs(next_key, p_next))
 
 
@@ -229,6 +253,7 @@ def verify(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    without_replacement: bool = False,
 ) -> Verdict:
     """Verifies a batch of draft trees against the target; the output keeps the target's law.
 
@@ -239,7 +264,10 @@ def verify(
     draft_probs: None when the nodes are deterministic proposals (top-k, pruned, reranked, or
       deduplicated trees), verified as point masses. Otherwise the draft's final distributions
       (temperature and top-p already applied), index 0 at the root and i + 1 at node i, from which
-      each node's children were drawn independently with replacement.
+      each node's children were drawn independently with replacement, or, with
+      `without_replacement`, one after another in index order without replacement (a node's
+      first child drawn from q, the next from q without the first, renormalised, and so on: the
+      order of Gumbel-top-k). A chain's nodes are the same either way.
     temperature=0 is greedy: the accepted path follows the target's argmax and `next_token` is the
       argmax at the last accepted node, whatever the proposals were.
 
@@ -267,6 +295,7 @@ def verify(
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(top_k),
+        without_replacement=bool(without_replacement),
     )
 
 

@@ -2,7 +2,7 @@
 
 One verify step, for every row at once:
 
-    draft tree (chain, static or EAGLE-2 dynamic) from the draft's root logits
+    draft tree (chain, static, EAGLE-2 dynamic or sampled dynamic) from the draft's root logits
       -> the target's branch forward over root + tree against its KV cache (one forward)
       -> `verify`: accepted path and the next token, lossless
       -> emitted tokens cut at EOS and at max_new_tokens; written out with their log-probabilities
@@ -49,6 +49,7 @@ from jspec.sampler.tree import (
     Tree,
     branch_layout,
     build_dynamic_tree,
+    build_sampled_dynamic_tree,
     build_static_tree,
 )
 
@@ -405,7 +406,15 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     out = target.branch_forward(cache, *nodes, taps=taps, kernels=config.kernels)
     logits, k, v = out[:3]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
-    verdict = verify(verify_key, tree.tokens, tree.parents, logits, tree.draft_probs, **sampling)
+    verdict = verify(
+        verify_key,
+        tree.tokens,
+        tree.parents,
+        logits,
+        tree.draft_probs,
+        **sampling,
+        without_replacement=True,  # how the tree builders draw siblings
+    )
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
     width = 1 + _tree_depth(config.tree, draft)
     emitted = emitted_tokens(tree.tokens, verdict)[:, :width]
@@ -508,7 +517,17 @@ class _TreeCarry(NamedTuple):
     previous: Int[Array, ""]  # where the previous frontier's nodes are
 
 
+def _sampled(tree: TreeConfig, config: RolloutConfig) -> bool:
+    """Whether the tree's nodes are drawn from the draft (verified against its probabilities):
+    `tree.sampled` above temperature 0; at 0 the draft's draws are its top-ranked tokens, which
+    the deterministic trees (point masses, the EAGLE-2 tree for 'dynamic') propose as well."""
+    return tree.sampled and config.temperature > 0
+
+
 def _static_shape(tree: TreeConfig) -> StaticTree:
+    """The topology the draft fills (of a 'dynamic' tree: the sampled form's candidates)."""
+    if tree.kind == "dynamic":
+        return StaticTree.chain_with_siblings(tree.depth, tree.top_k - 1)
     return StaticTree.chain(tree.depth) if tree.kind == "chain" else StaticTree(tree.parents)
 
 
@@ -519,9 +538,9 @@ def _tree_depth(tree: TreeConfig, draft) -> int:
     return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
 
 
-def _tree_capacity(tree: TreeConfig) -> int:
+def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
     """Nodes that get expanded (have children drawn below them), over all levels below the root."""
-    if tree.kind == "dynamic":
+    if tree.kind == "dynamic" and not sampled:
         return (tree.depth - 1) * tree.top_k
     shape = _static_shape(tree)
     return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
@@ -529,12 +548,12 @@ def _tree_capacity(tree: TreeConfig) -> int:
 
 def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> Tree:
     """The draft's tree below the root, as `config.tree` describes it."""
-    tc = config.tree
+    tc, sampled = config.tree, _sampled(config.tree, config)
     b = root.logits.shape[0]
-    frontier = tc.top_k if tc.kind == "dynamic" else 1
+    frontier = tc.top_k if tc.kind == "dynamic" and not sampled else 1
     carry = _TreeCarry(
         hidden=jnp.broadcast_to(root.hidden[:, None], (b, frontier, root.hidden.shape[-1])),
-        tree=draft.empty_tree(b, max(_tree_capacity(tc), 1)),
+        tree=draft.empty_tree(b, max(_tree_capacity(tc, sampled), 1)),
         offset=jnp.int32(0),
         previous=jnp.int32(0),
     )
@@ -557,13 +576,23 @@ def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> 
         offset = carry.offset + frontier.tokens.shape[1]
         return logits, _TreeCarry(hidden, tree, offset, carry.offset)
 
-    if tc.kind == "dynamic":
-        tree, _ = build_dynamic_tree(
-            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
-        )
-        return tree
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
-    tree, _ = build_static_tree(
-        _static_shape(tc), root.logits, step, carry, key=key if tc.sampled else None, **sampling
-    )
-    return tree
+    if tc.kind != "dynamic":
+        key = key if sampled else None
+        return build_static_tree(_static_shape(tc), root.logits, step, carry, key=key, **sampling)[
+            0
+        ]
+    if not sampled:
+        return build_dynamic_tree(
+            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
+        )[0]
+    return build_sampled_dynamic_tree(
+        root.logits,
+        step,
+        carry,
+        key=key,
+        depth=tc.depth,
+        children=tc.top_k,
+        total_tokens=tc.total_tokens,
+        **sampling,
+    )[0]

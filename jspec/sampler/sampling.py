@@ -82,11 +82,26 @@ def sampling_probs(
     return probs
 
 
+def _log(probs: Float[Array, "*b v"]) -> Float[Array, "*b v"]:
+    return jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+
+
 def sample_from_probs(key: jax.Array, probs: Float[Array, "*b v"]) -> Int[Array, "*b"]:
     """One draw per row from `probs`; tokens of probability 0 are never drawn, so a point mass is
     drawn exactly (greedy decoding stays deterministic)."""
-    log_probs = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    return jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, _log(probs), axis=-1).astype(jnp.int32)
+
+
+def sample_without_replacement(
+    key: jax.Array, probs: Float[Array, "*b v"], k: int
+) -> Int[Array, "*b k"]:
+    """k draws per row from `probs`, one after another without replacement: the first from
+    `probs`, each next one from `probs` without the tokens before it, renormalised (the k largest
+    log-probabilities plus Gumbel noise, in order). Where fewer than k tokens have probability,
+    the draws past them are -1."""
+    scores = _log(probs) + jax.random.gumbel(key, probs.shape, jnp.float32)
+    top, tokens = jax.lax.top_k(scores, k)
+    return jnp.where(top > -jnp.inf, tokens, -1).astype(jnp.int32)
 
 
 def sample(

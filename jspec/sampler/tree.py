@@ -1,11 +1,17 @@
-"""Draft trees with static sizes: chains, static trees given as parent arrays, and dynamic EAGLE-2
-style trees, built level by level from the draft's logits.
+"""Draft trees with static sizes: chains, static trees given as parent arrays, dynamic EAGLE-2
+style trees, and sampled dynamic trees, built level by level from the draft's logits.
 
 A `Tree` holds N nodes per row in topological order (a parent precedes its children; parent -1 is
 the root, the last sampled token). Its `draft_probs` say how `jspec.sampler.verify` must treat
-it: None marks deterministic proposals (top-k, pruned or reranked trees: every dynamic tree),
+it: None marks deterministic proposals (top-k, pruned or reranked trees: the EAGLE-2 tree),
 verified as point masses; otherwise they are the distributions every node's children were drawn
-from, i.i.d. with replacement, and verification uses them.
+from, without replacement in index order (`verify(..., without_replacement=True)`).
+
+A sampled tree may not choose its nodes by their own drawn tokens (the EAGLE-2 reranking does),
+or verification would no longer preserve the target's law. What it may do is decide how many
+children a node gets from anything drawn before them: `build_sampled_dynamic_tree` draws a chain
+and spends a budget of extra siblings where the draft was least sure, judged by the draft's
+distributions along the chain, never by the siblings' tokens.
 
 The draft model drives the expansion through a `step_fn(frontier, carry) -> (logits, carry)`: the
 frontier is the set of nodes of one depth whose children are drawn next, and `logits [B, m, V]`
@@ -24,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jspec.sampler.acceptance import check_parents
-from jspec.sampler.sampling import check_sampling_args, sample_from_probs, sampling_probs
+from jspec.sampler.sampling import check_sampling_args, sample_without_replacement, sampling_probs
 
 
 class Tree(NamedTuple):
@@ -34,7 +40,8 @@ class Tree(NamedTuple):
     parents: the parent's node index, -1 for a child of the root.
     depth: 1 for a child of the root, d + 1 below a node of depth d.
     draft_probs: None for point-mass verification, else the draft's distribution (full
-      vocabulary, sampling transform applied) at the root (index 0) and at node i (index i + 1).
+      vocabulary, sampling transform applied) at the root (index 0) and at node i (index i + 1),
+      from which each node's children were drawn without replacement, in index order.
     """
 
     tokens: Int[Array, "b n"]
@@ -120,6 +127,14 @@ class StaticTree:
             raise ValueError(f"a chain needs k >= 1 nodes, got k={k}")
         return cls(tuple(range(-1, k - 1)))
 
+    @classmethod
+    def chain_with_siblings(cls, depth: int, siblings: int) -> "StaticTree":
+        """A chain of `depth` nodes (0 .. depth - 1), then `siblings` leaves beside each of them
+        (beside chain node d - 1: depth x siblings more nodes, level by level): every candidate
+        node of a sampled dynamic tree."""
+        leaves = [d - 2 for d in range(1, depth + 1) for _ in range(siblings)]
+        return cls((*cls.chain(depth).parents, *leaves))
+
     @property
     def num_nodes(self) -> int:
         return len(self.parents)
@@ -161,14 +176,34 @@ def build_static_tree(
 
     key=None: deterministic proposals; the child of rank r gets the draft's r-th most likely token
       at its parent (distinct siblings), and the tree is marked for point-mass verification.
-    key given: every child is drawn independently, with replacement, from the draft's
-      `sampling_probs(logits, temperature, top_p, top_k)` at its parent; those distributions are
-      returned as `draft_probs` for sampled verification.
+    key given: a node's children are drawn from the draft's `sampling_probs(logits, temperature,
+      top_p, top_k)` at it, one after another without replacement in index order (a child with
+      no token left to draw is a padding node, -1); those distributions are returned as
+      `draft_probs` for sampled verification (`verify(..., without_replacement=True)`).
     `step_fn` is called once per depth 1 .. max depth - 1, on the nodes of that depth that have
     children; `root_logits` are the draft's logits at the root.
     """
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    tokens, probs, rows, carry = _fill(shape, root_logits, step_fn, carry, key, sampling)
+    b, v = root_logits.shape
+    draft_probs = None
     if key is not None:
-        check_sampling_args(temperature, top_p, top_k)
+        draft_probs = jnp.zeros((b, shape.num_nodes + 1, v), jnp.float32).at[:, rows].set(probs)
+    tree = Tree(
+        tokens=tokens,
+        parents=jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (b, shape.num_nodes)),
+        depth=jnp.broadcast_to(jnp.asarray(shape.depth), (b, shape.num_nodes)),
+        draft_probs=draft_probs,
+    )
+    return tree, carry
+
+
+def _fill(shape: StaticTree, root_logits, step_fn: StepFn, carry, key, sampling: dict):
+    """(tokens [B, N], the draft's distributions [B, E, V] at the root and the E - 1 nodes that
+    have children (key given; else None), their rows in `draft_probs` (the root 0, node i i + 1),
+    carry) of `build_static_tree`."""
+    if key is not None:
+        check_sampling_args(**sampling)
     b, v = root_logits.shape
     most_children = int(shape.rank.max()) + 1
     if most_children > v:
@@ -177,7 +212,7 @@ def build_static_tree(
         )
     parents = np.asarray(shape.parents)
     tokens = jnp.full((b, shape.num_nodes), -1, jnp.int32)
-    probs, probs_at = [], []
+    probs, rows = [], []
     frontier, logits = shape.expanded_at(0), root_logits[:, None]
     for depth in range(1, int(shape.depth.max()) + 1):
         if logits.shape != (b, frontier.size, v):
@@ -189,13 +224,12 @@ def build_static_tree(
         slot = np.searchsorted(frontier, parents[children])
         if key is None:
             ranked = jax.lax.top_k(logits, most_children)[1].astype(jnp.int32)
-            drawn = ranked[:, slot, shape.rank[children]]
         else:
-            q = sampling_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+            q = sampling_probs(logits, **sampling)
             probs.append(q)
-            probs_at.append(frontier + 1)
-            drawn = sample_from_probs(jax.random.fold_in(key, depth), q[:, slot])
-        tokens = tokens.at[:, children].set(drawn)
+            rows.append(frontier + 1)
+            ranked = sample_without_replacement(jax.random.fold_in(key, depth), q, most_children)
+        tokens = tokens.at[:, children].set(ranked[:, slot, shape.rank[children]])
         next_frontier = shape.expanded_at(depth)
         if next_frontier.size:
             parent_slot = np.searchsorted(frontier, parents[next_frontier]) if depth > 1 else -1
@@ -208,19 +242,75 @@ def build_static_tree(
             )
             logits, carry = step_fn(view, carry)
             frontier = next_frontier
-    draft_probs = None
-    if key is not None:
-        draft_probs = jnp.zeros((b, shape.num_nodes + 1, v), jnp.float32)
-        draft_probs = draft_probs.at[:, np.concatenate(probs_at)].set(
-            jnp.concatenate(probs, axis=1)
+    if key is None:
+        return tokens, None, None, carry
+    return tokens, jnp.concatenate(probs, axis=1), np.concatenate(rows), carry
+
+
+def build_sampled_dynamic_tree(
+    root_logits: Float[Array, "b v"],
+    step_fn: StepFn,
+    carry: Any,
+    *,
+    key: jax.Array,
+    depth: int,
+    children: int,
+    total_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> tuple[Tree, Any]:
+    """A sampled chain of `depth` nodes (0 .. depth - 1) and `total_tokens - depth` siblings
+    beside its nodes (at most `children - 1` beside each, as leaves), where the draft was least
+    sure: a dynamic tree at the draft's cost of a chain, verified with
+    `verify(..., without_replacement=True)`.
+
+    Every candidate (`StaticTree.chain_with_siblings`) is drawn as `build_static_tree` draws: at
+    each level the chain's node and its would-be siblings are successive draws without
+    replacement. The j-th sibling beside chain node d is worth, to the draft, the chance of
+    reaching d's parent (the draft's probabilities of the chain's tokens above, multiplied: the
+    path score of EAGLE-2) times the j-th largest probability at that parent once the chain's
+    token is left out; the siblings of largest worth are kept, in place of `-1` padding nothing
+    else. The worth reads the draft's distributions and the chain's tokens, never a sibling's own
+    token, so the siblings kept beside a node are its first draws, still draws without
+    replacement after the chain's node: the tree stays lossless.
+    """
+    siblings, extra = children - 1, total_tokens - depth
+    if depth < 1 or not 0 <= extra <= depth * siblings:
+        raise ValueError(
+            f"a sampled dynamic tree of depth={depth} (>= 1) and children={children} holds "
+            f"{depth} to {depth * max(children, 1)} nodes; total_tokens={total_tokens} is not "
+            "among them"
         )
+    shape = StaticTree.chain_with_siblings(depth, siblings)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    tokens, q, _, carry = _fill(shape, root_logits, step_fn, carry, key, sampling)  # q: [B, D, V]
+    b, v = root_logits.shape
+    nodes = jnp.broadcast_to(jnp.arange(depth), (b, depth))
+    if extra:
+        nodes = jnp.concatenate([nodes, _kept_siblings(tokens[:, :depth], q, siblings, extra)], 1)
+    take = lambda x: jnp.take_along_axis(jnp.broadcast_to(x, tokens.shape), nodes, axis=1)
     tree = Tree(
-        tokens=tokens,
-        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, shape.num_nodes)),
-        depth=jnp.broadcast_to(jnp.asarray(shape.depth), (b, shape.num_nodes)),
-        draft_probs=draft_probs,
+        tokens=jnp.take_along_axis(tokens, nodes, axis=1),
+        parents=take(jnp.asarray(shape.parents, jnp.int32)),
+        depth=take(jnp.asarray(shape.depth)),
+        draft_probs=jnp.concatenate([q, jnp.zeros((b, 1 + extra, v), q.dtype)], axis=1),
     )
     return tree, carry
+
+
+def _kept_siblings(chain, q, siblings: int, extra: int) -> Int[Array, "b e"]:
+    """Indices in `StaticTree.chain_with_siblings(depth, siblings)` of the `extra` siblings of
+    largest worth (`build_sampled_dynamic_tree`), level by level and first draws first."""
+    (b, depth), v = chain.shape, q.shape[-1]
+    at_chain = jnp.take_along_axis(q, chain[..., None], axis=-1)[..., 0]  # [B, D]
+    reach = jnp.cumprod(jnp.concatenate([jnp.ones((b, 1)), at_chain[:, :-1]], axis=1), axis=1)
+    others = jnp.where(jnp.arange(v) == chain[..., None], 0.0, q)
+    worth = reach[..., None] * jax.lax.top_k(others, siblings)[0]  # [B, D, siblings]
+    level = jax.lax.top_k(worth.reshape(b, -1), extra)[1] // siblings
+    count = jnp.sum(level[:, :, None] == jnp.arange(depth), axis=1)  # [B, D]: kept per level
+    kept = (jnp.arange(siblings) < count[..., None]).reshape(b, -1)  # each level's first draws
+    return depth + jnp.argsort(~kept, axis=1, stable=True)[:, :extra]
 
 
 class DynamicTreeState(NamedTuple):

@@ -13,7 +13,10 @@ so by its own measurements the choice is never slower than plain decoding.
 The costs are measured per batch size by `jspec/bench/rollout.py` (read its JSON with
 `StepCosts.from_bench`) and interpolated in log2(batch) between measured sizes; tokens per row-step
 come from rollouts (`RolloutStats.tokens_per_row_step`), which drift as policy and draft train:
-`TreeChooser` keeps a running estimate per tree and picks again before every rollout batch.
+`TreeChooser` keeps a running estimate per tree and picks again before every rollout batch. A tree's
+acceptance depends on the temperature (at 1 an argmax tree accepts less than half the tokens a tree
+drawn from the draft accepts), so a chooser takes its priors only from a bench run at the
+rollout's own temperature.
 """
 
 from __future__ import annotations
@@ -123,10 +126,10 @@ class TreeChooser:
         self._plain_picks = 0
 
     @classmethod
-    def from_bench(cls, path: str | pathlib.Path, **kw) -> TreeChooser:
+    def from_bench(cls, path: str | pathlib.Path, temperature: float, **kw) -> TreeChooser:
         """Costs, trees and priors (accepted length x busy, the mean over the batch sizes; plain
         decoding's busy under None) from a JSON of `jspec/bench/rollout.py` that timed
-        speculative steps."""
+        speculative steps at `temperature`, the rollouts' own."""
         if not pathlib.Path(path).is_file():
             raise ConfigError(
                 f"rl.tree_costs={str(path)!r} is not a file: write one with `python -m "
@@ -137,6 +140,15 @@ class TreeChooser:
             raise ConfigError(
                 f"{path} holds no timed speculative steps; run bench_rollout without --no-spec "
                 "(and with a trained draft) to write one."
+            )
+        measured = data.get("args", {}).get("temperature")
+        if measured is None or float(measured) != float(temperature):
+            raise ConfigError(
+                f"rl.tree_costs={str(path)!r} measured its trees' acceptance at temperature "
+                f"{'(not recorded)' if measured is None else measured}, but "
+                f"rollout.temperature={temperature}: acceptance depends on the "
+                f"temperature; measure at it with `python -m jspec.bench.rollout --trained RUN "
+                f"--temperature {temperature}` on the rollout machine."
             )
         tuples = lambda fields: {
             k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()

@@ -82,24 +82,25 @@ def test_the_prompt_lists_the_steps_and_hides_the_tests(difficulty):
 
 def test_difficulty_is_a_number_of_steps():
     assert len(code_task.KINDS) >= 12
-    for difficulty in (0, 9):
+    for difficulty in (0, code_task.HARDEST + 1):
         with pytest.raises(ValueError, match="difficulty"):
             code_task.problem(np.random.default_rng(0), difficulty)
 
 
-def test_a_spread_of_difficulties_has_a_long_tail_and_the_widths_cover_its_hardest():
-    """Each step of difficulty is half as likely as the one below; the static widths are those
-    of the hardest problems, so no prompt of the spread is cut."""
+@pytest.mark.parametrize("decay", [0.5, 0.75])
+def test_a_spread_of_difficulties_has_a_long_tail_and_the_widths_cover_its_hardest(decay):
+    """Each step of difficulty is `decay` times as likely as the one below; the static widths are
+    those of the hardest problems, so no prompt of the spread is cut."""
     from jspec.config import ConfigError, TaskConfig
     from jspec.rl import tasks
     from jspec.tokenizers import ByteTokenizer
 
-    config = TaskConfig(name="code", difficulty=2, spread=4)
+    config = TaskConfig(name="code", difficulty=2, spread=4, spread_decay=decay)
     drawn = [
         p.prompt.count("\n    - ") for step in range(8) for p in tasks.problems(config, step, 64, 0)
     ]
     counts = np.bincount(drawn, minlength=7)[2:]
-    expected = len(drawn) * 0.5 ** np.arange(5) / (2 - 0.5**4)
+    expected = len(drawn) * decay ** np.arange(5) / np.sum(decay ** np.arange(5))
     assert counts.sum() == len(drawn) and (counts > 0).all()
     assert np.abs(counts - expected).max() < 4 * np.sqrt(expected).max()  # binomial, 4 sigma
     tokenizer = ByteTokenizer()
@@ -109,5 +110,14 @@ def test_a_spread_of_difficulties_has_a_long_tail_and_the_widths_cover_its_harde
     assert max(len(tokenizer.encode(p.prompt)) for p in tasks.problems(config, 0, 64, 0)) <= (
         prompt_width
     )
-    with pytest.raises(ConfigError, match=r"rl.task.difficulty=5 plus rl.task.spread=4"):
-        TaskConfig(name="code", difficulty=5, spread=4).validate()
+    with pytest.raises(ConfigError, match=r"rl.task.difficulty=9 plus rl.task.spread=4 passes 12"):
+        tasks.check_tasks(TaskConfig(name="code", difficulty=9, spread=4))
+    with pytest.raises(
+        ConfigError, match=r"difficulty=7 plus rl.task.spread=2 passes 8, .* 'addition'"
+    ):
+        tasks.check_tasks(
+            TaskConfig(
+                name="code", shift_step=5, shifted_name="addition", shifted_difficulty=7, spread=2
+            )
+        )
+    tasks.check_tasks(TaskConfig(name="code", difficulty=8, spread=4))  # the code task's hardest

@@ -81,6 +81,7 @@ def test_dotted_overrides():
         (["rollout.top_p=0"], r"rollout.top_p=0.0 must be in \(0, 1\]"),
         (["rollout.buckets=[{rows: 2}, {rows: 4}]"], r"buckets rows=\[2, 4\] must decrease"),
         (["rl.draft_rows=99"], r"rl.draft_rows=99 must be in \[0, "),
+        (["rl.task.spread_decay=0"], r"rl.task.spread_decay=0.0 must be in \(0, 1\]"),
         (
             ["rollout.buckets=[{rows: 4, tree: {kind: chain, depth: 0}}]"],
             r"rollout.buckets\[0\].tree.depth=0 must be >= 1",

@@ -21,8 +21,10 @@ class TaskConfig:
     `jspec.rl.tasks.TASKS`, checked there (`check_task`) when a run is checked.
 
     `spread` > 0 draws each problem's difficulty from the task's difficulty up to `spread` more,
-    each one up half as likely as the one below: most problems easy, a few hard, so that the
-    responses of a step have the long tail of lengths that RL rollouts have."""
+    each one up `spread_decay` times as likely as the one below (0.5: half as likely): most
+    problems easy, a few hard, so that the responses of a step have the long tail of lengths that
+    RL rollouts have. Each task has a hardest difficulty (`jspec.rl.tasks.TASKS`), checked with its
+    name (`check_tasks`)."""
 
     name: str = "addition"
     difficulty: int = 2
@@ -30,19 +32,20 @@ class TaskConfig:
     shifted_name: str | None = None
     shifted_difficulty: int | None = None
     spread: int = 0
+    spread_decay: float = 0.5
 
     def validate(self, where: str = "rl.task") -> None:
         if self.spread < 0:
             raise ConfigError(f"{where}.spread={self.spread} must be >= 0 (0: one difficulty).")
+        if not 0 < self.spread_decay <= 1:
+            raise ConfigError(
+                f"{where}.spread_decay={self.spread_decay} must be in (0, 1]: how much less likely "
+                "each harder difficulty is than the one below (1: all equally likely)."
+            )
         for field in ("difficulty", "shifted_difficulty"):
             value = getattr(self, field)
-            if value is not None and not 1 <= value <= 8:
-                raise ConfigError(f"{where}.{field}={value} must be in [1, 8].")
-            if value is not None and value + self.spread > 8:
-                raise ConfigError(
-                    f"{where}.{field}={value} plus {where}.spread={self.spread} passes 8, the "
-                    f"hardest difficulty; lower the spread to at most {8 - value}."
-                )
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{field}={value} must be >= 1.")
         if self.shift_step < 0:
             raise ConfigError(f"{where}.shift_step={self.shift_step} must be >= 0 (0: no shift).")
 

@@ -77,17 +77,19 @@ def _exactly(problems: Sequence[Problem], responses: Sequence[str]) -> np.ndarra
 
 class Task(NamedTuple):
     """A problem maker (a generator and a difficulty in; a problem with `prompt` and `answer`,
-    the worked reference response, out) and the scorer of a batch of its responses."""
+    the worked reference response, out), the scorer of a batch of its responses, and the hardest
+    difficulty it makes."""
 
     make: Callable[[np.random.Generator, int], Any]
     score: Callable[[Sequence[Any], Sequence[str]], np.ndarray]
+    hardest: int
 
 
 TASKS: dict[str, Task] = {
-    "addition": Task(_addition, _exactly),
-    "sorting": Task(_sorting, _exactly),
-    "counting": Task(_counting, _exactly),
-    "code": Task(code_task.problem, code_task.score),
+    "addition": Task(_addition, _exactly, 8),
+    "sorting": Task(_sorting, _exactly, 8),
+    "counting": Task(_counting, _exactly, 8),
+    "code": Task(code_task.problem, code_task.score, code_task.HARDEST),
 }
 
 
@@ -102,10 +104,22 @@ def check_task(name: str, where: str = "rl.task.name") -> None:
 
 
 def check_tasks(config: TaskConfig) -> None:
-    """The task, and the task it shifts to, are tasks of TASKS."""
+    """The task, and the task it shifts to, are tasks of TASKS, at difficulties (the spread's
+    hardest included) they make."""
     check_task(config.name, "rl.task.name")
     if config.shifted_name is not None:
         check_task(config.shifted_name, "rl.task.shifted_name")
+    shifted = ((config.shift_step, "shifted_difficulty"),) if config.shift_step else ()
+    for step, field in ((0, "difficulty"), *shifted):
+        name, difficulty = task_at(config, step)
+        hardest = TASKS[name].hardest
+        if difficulty + config.spread > hardest:
+            raise ConfigError(
+                f"rl.task.{field}={difficulty} plus rl.task.spread={config.spread} passes "
+                f"{hardest}, the hardest difficulty of the {name!r} task; lower the spread to at "
+                f"most {max(hardest - difficulty, 0)}"
+                + ("." if difficulty <= hardest else f" and the difficulty to at most {hardest}.")
+            )
 
 
 def task_at(config: TaskConfig, step: int) -> tuple[str, int]:
@@ -122,7 +136,7 @@ def problems(config: TaskConfig, step: int, count: int, seed: int, stream: int =
     name, difficulty = task_at(config, step)
     check_task(name)
     rng = np.random.default_rng((seed, stream, step))
-    odds = 0.5 ** np.arange(config.spread + 1)
+    odds = config.spread_decay ** np.arange(config.spread + 1)
     draw = lambda: difficulty + int(rng.choice(len(odds), p=odds / odds.sum()))
     return [TASKS[name].make(rng, draw() if config.spread else difficulty) for _ in range(count)]
 

@@ -7,8 +7,11 @@ the co-trained draft, from the same checkpoint and seeds; the table and the plot
     python -m jspec.bench.rl_experiment --policy runs/code --out runs/rl-experiment \\
         --stop-after 9 rl.steps=150        # under a time limit: run again to go on
 
-Each run is one `train_rl` command (`--config code-rl` by default, the policy `rl.policy=POLICY`,
-the draft `rollout.draft.path=POLICY/draft`) in OUT/<mode>-seed<N>, so a run that stops (at
+For each seed, one `train_rl` command (`--config code-rl` by default, the policy
+`rl.policy=POLICY`, the draft `rollout.draft.path=POLICY/draft` or fresh) warm-starts policy and
+draft on the task's worked answers with `rl.steps=0` and exports them to OUT/warm-seed<N>/export;
+then one `train_rl` command per mode starts from that export (no warm start of its own), in
+OUT/<mode>-seed<N>: the three modes start from the very same weights. A run that stops (at
 `--stop-after`, exit status 75, or killed) resumes from its checkpoint when this command runs
 again, and a finished run is not run twice. The no-speculation runs decode plainly (the fastest
 plain path, not the speculative loop with an empty tree), with the same batch, prompts, lengths and
@@ -56,27 +59,39 @@ def run_dir(out: pathlib.Path, mode: str, seed: int) -> pathlib.Path:
 
 
 def run_all(args) -> None:
-    """Every (mode, seed) run, each resumed where it stopped; at the time limit, the run in
-    progress saves and this command exits with status 75 (`trainer.Stopped`)."""
+    """Each seed's warm start, then every (mode, seed) run from it, each resumed where it
+    stopped; at the time limit, the run in progress saves and this command exits with status 75
+    (`trainer.Stopped`)."""
     limits = trainer.Limits(minutes=args.stop_after)
     draft = args.draft or pathlib.Path(args.policy) / "draft"
     draft = draft if pathlib.Path(draft).is_dir() else None  # None: a fresh draft
     for seed in args.seeds:
+        warm = args.out / f"warm-seed{seed}"
+        start = [f"rl.policy={args.policy}", f"seed={seed}", *args.overrides, "rl.steps=0"]
+        start += [f"rollout.draft.path={draft}"] * (draft is not None)
+        train(args, limits, "cotrain", warm, start)
         for mode in args.modes:
-            left = limits.minutes_left()
-            if left is not None and left <= 0:
-                raise trainer.Stopped(f"the time limit (--stop-after {args.stop_after}) is past")
-            overrides = [f"rl.policy={args.policy}", f"seed={seed}", *args.overrides]
-            if mode != "none" and draft is not None:
-                overrides.append(f"rollout.draft.path={draft}")
-            flags = ["--config", args.config, "--draft-mode", mode, "--quiet"]
-            flags += ["--run-dir", str(run_dir(args.out, mode, seed))]
-            if args.compilation_cache is not None:
-                flags += ["--compilation-cache", args.compilation_cache]
-            if left is not None:
-                flags += ["--stop-after", f"{left:.3f}"]
-            print(f"{mode}, seed {seed}: {' '.join(overrides)}", flush=True)
-            train_rl.main([*flags, *overrides])
+            exported = warm / train_rl.EXPORT
+            # After the caller's overrides: every mode starts from the warm start's weights.
+            overrides = [*args.overrides, f"rl.policy={exported / 'policy'}", f"seed={seed}"]
+            overrides += ["rl.sft_steps=0"]
+            if mode != "none":
+                overrides.append(f"rollout.draft.path={exported / 'draft'}")
+            train(args, limits, mode, run_dir(args.out, mode, seed), overrides)
+
+
+def train(args, limits: trainer.Limits, mode: str, directory: pathlib.Path, overrides) -> None:
+    """One `train_rl` run in `directory`, within what is left of the time limit."""
+    left = limits.minutes_left()
+    if left is not None and left <= 0:
+        raise trainer.Stopped(f"the time limit (--stop-after {args.stop_after}) is past")
+    flags = ["--config", args.config, "--draft-mode", mode, "--quiet", "--run-dir", str(directory)]
+    if args.compilation_cache is not None:
+        flags += ["--compilation-cache", args.compilation_cache]
+    if left is not None:
+        flags += ["--stop-after", f"{left:.3f}"]
+    print(f"{directory.name}: {' '.join(overrides)}", flush=True)
+    train_rl.main([*flags, *overrides])
 
 
 def read(path: pathlib.Path) -> list[dict]:

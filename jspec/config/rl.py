@@ -54,6 +54,8 @@ class TaskConfig:
 class RLConfig:
     """GRPO with an online co-trained draft (`jspec.rl`).
 
+    A run warm-starts policy and draft by `sft_steps` supervised steps on the task's worked
+    answers, then makes `steps` RL steps (0: the warm start alone, exported as a run's end is).
     Each RL step samples `prompts` prompts, `group_size` responses each (the batch is their
     product), packs `sequences_per_row` sequences into each training row, and makes one update of
     policy and draft. With `packed_rows` (0: off) the rows of an RL step are that many, as long,
@@ -125,7 +127,7 @@ class RLConfig:
 
     def validate(self, where: str = "rl") -> None:
         self.task.validate(f"{where}.task")
-        for name in ("steps", "prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
+        for name in ("prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
         if self.group_size < 2:
@@ -133,7 +135,14 @@ class RLConfig:
                 f"{where}.group_size={self.group_size}: group-relative advantages need at least 2 "
                 "responses per prompt."
             )
-        for name in ("sft_steps", "kl_coef", "draft_loss_weight", "ttt_steps", "save_every"):
+        for name in (
+            "steps",
+            "sft_steps",
+            "kl_coef",
+            "draft_loss_weight",
+            "ttt_steps",
+            "save_every",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")
         for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):

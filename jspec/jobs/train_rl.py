@@ -500,8 +500,10 @@ def main(argv=None) -> pathlib.Path:
             return run_dir
         if (first := int(state.step)) >= rl.steps:
             say(
-                f"{run_dir}: already complete at step {first} (rl.steps={rl.steps}); raise "
-                "rl.steps to train on."
+                f"{run_dir}: warm-started (rl.steps=0)"
+                if rl.steps == 0
+                else f"{run_dir}: already complete at step {first} (rl.steps={rl.steps}); "
+                "raise rl.steps to train on."
             )
             if not (run_dir / EXPORT).is_dir():
                 export(run, state, run_dir / EXPORT, say)

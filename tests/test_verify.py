@@ -71,12 +71,14 @@ class ToyModels:
     length: int
 
     @classmethod
-    def make(cls, length: int, seed: int) -> "ToyModels":
+    def make(cls, length: int, seed: int, draft_sharpness: float = 1.0) -> "ToyModels":
+        """`draft_sharpness` scales the draft's logits: at 12 it puts all but about 1e-9 of its
+        mass on one token, wherever the target is unsure."""
         rows = offsets(length)[-1]
         rng = np.random.default_rng(seed)
         target = 1.5 * rng.standard_normal((rows, V), np.float32)
         draft = 0.6 * target + 1.2 * rng.standard_normal((rows, V), np.float32)
-        return cls(jnp.asarray(target), jnp.asarray(draft), length)
+        return cls(jnp.asarray(target), jnp.asarray(draft_sharpness * draft), length)
 
     def draft_step(self, frontier, codes):
         """step_fn for the tree builders; `codes` are the frontier's prefixes in base V."""
@@ -185,12 +187,12 @@ def emitted_codes(
     return continue_from_target(continue_key, models, emitted, temperature, top_p, top_k)
 
 
-def lossless_p_value(seed=0, replacement=False, **case) -> float:
+def lossless_p_value(seed=0, replacement=False, draft_sharpness=1.0, **case) -> float:
     """The chi-square p-value of one case; `replacement`: siblings drawn i.i.d. (with replacement)
     and verified so."""
     shape = case["shape"]
     depth = shape.depth if isinstance(shape, SampledDynamic) else int(shape.depth.max())
-    models = ToyModels.make(length=depth + 1, seed=seed)
+    models = ToyModels.make(length=depth + 1, seed=seed, draft_sharpness=draft_sharpness)
     with drawn_with_replacement() if replacement else contextlib.nullcontext():
         codes = emitted_codes(
             jax.random.key(seed + 1), models, without_replacement=not replacement, **case
@@ -220,6 +222,10 @@ CASES = {
     "point-mass tree": dict(shape=FAN_OUT, sampled=False, temperature=0.6, top_p=0.85),
     "sampled tree with padding and top-k": dict(
         shape=INTERLEAVED, sampled=True, temperature=1.2, top_p=0.95, top_k=3, padding=(4,)
+    ),
+    # The draft leaves its siblings the last 1e-9 of its mass: drawn from that, tested against it.
+    "sampled tree of a sure draft": dict(
+        shape=FAN_OUT, sampled=True, temperature=1.0, top_p=1.0, draft_sharpness=12.0
     ),
     "sampled tree drawn with replacement": dict(
         shape=FAN_OUT, sampled=True, temperature=0.8, top_p=1.0, replacement=True
@@ -414,6 +420,9 @@ def test_residual_without_mass_falls_back_to_the_target():
     np.testing.assert_allclose(q_without, [[0.0, 0.5, 0.5, 0.0]])
     _, q_only = acceptance._reject_sampled(p, point, jnp.array([1]), True)  # nothing left: q
     np.testing.assert_array_equal(q_only, point)
+    sure = jnp.array([[1 - 1e-7, 9e-8, 1e-8, 0.0]])  # what is left is drawn from: renormalised
+    _, q_rest = acceptance._reject_sampled(p, sure, jnp.array([0]), True)
+    np.testing.assert_allclose(q_rest, [[0.0, 0.9, 0.1, 0.0]], rtol=1e-5)
 
 
 def sequential_point_mass_walk(u, tokens, parents, p_all):

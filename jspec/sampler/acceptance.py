@@ -91,7 +91,11 @@ def _reject_sampled(
     residual = _renormalise(jnp.maximum(p - q, 0.0), p)
     if not without_replacement:
         return residual, q
-    return residual, _renormalise(jnp.where(jnp.arange(q.shape[-1]) == x[:, None], 0.0, q), q)
+    # The next sibling was drawn from the rest of q however little mass it holds (a sure draft
+    # leaves 1e-9 and draws from it all the same): renormalised, with no floor, unlike p's.
+    rest = jnp.where(jnp.arange(q.shape[-1]) == x[:, None], 0.0, q)
+    mass = jnp.sum(rest, axis=-1, keepdims=True)
+    return residual, jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), q)
 
 
 def _point_mass_acceptance(

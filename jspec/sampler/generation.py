@@ -42,7 +42,7 @@ from jspec.config import ConfigError, RolloutConfig, TreeConfig
 from jspec.models.cache import TreeKV
 from jspec.models.draft import Draft, DraftOut, check_target
 from jspec.models.transformer import Transformer
-from jspec.sampler.acceptance import emitted_tokens, verify
+from jspec.sampler.acceptance import emitted_tokens
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
 from jspec.sampler.tree import (
     StaticTree,
@@ -406,15 +406,7 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
     out = target.branch_forward(cache, *nodes, taps=taps, kernels=config.kernels)
     logits, k, v = out[:3]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
-    verdict = verify(
-        verify_key,
-        tree.tokens,
-        tree.parents,
-        logits,
-        tree.draft_probs,
-        **sampling,
-        without_replacement=True,  # how the tree builders draw siblings
-    )
+    verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
     width = 1 + _tree_depth(config.tree, draft)
     emitted = emitted_tokens(tree.tokens, verdict)[:, :width]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jspec.sampler.acceptance import check_parents
+from jspec.sampler.acceptance import Verdict, check_parents, verify
 from jspec.sampler.sampling import check_sampling_args, sample_without_replacement, sampling_probs
 
 
@@ -52,6 +52,19 @@ class Tree(NamedTuple):
     @property
     def point_mass(self) -> bool:
         return self.draft_probs is None
+
+    def verify(self, key: jax.Array, target_logits: Float[Array, "b n1 v"], **sampling) -> Verdict:
+        """`jspec.sampler.verify` of this tree by the rule of how its builder drew it (siblings
+        without replacement); `sampling`: temperature, top_p, top_k."""
+        return verify(
+            key,
+            self.tokens,
+            self.parents,
+            target_logits,
+            self.draft_probs,
+            without_replacement=True,
+            **sampling,
+        )
 
 
 class Frontier(NamedTuple):
@@ -233,8 +246,8 @@ def _fill(shape: StaticTree, root_logits, step_fn: StepFn, carry, key, sampling:
         next_frontier = shape.expanded_at(depth)
         if next_frontier.size:
             parent_slot = np.searchsorted(frontier, parents[next_frontier]) if depth > 1 else -1
-            view = Frontier(
-                tokens=tokens[:, next_frontier],
+            view = Frontier(  # a padding node's children are never tested: any token will do
+                tokens=jnp.maximum(tokens[:, next_frontier], 0),
                 parent_slot=jnp.broadcast_to(
                     jnp.asarray(parent_slot, jnp.int32), (b, next_frontier.size)
                 ),

@@ -260,9 +260,11 @@ def test_rows_packed_by_real_lengths_give_the_full_layouts_losses_and_gradients(
     close_trees(got[0], want[0])
 
 
-def test_the_draft_trains_on_draft_rows_spread_over_each_data_shard():
-    """rl.draft_rows=2 of 4 rows over 2 data shards: the draft's loss and gradients are those of
-    rows 0 and 2 alone (one per shard), the policy's those of the whole batch."""
+@pytest.mark.parametrize("draft_rows", [2, 1])
+def test_the_draft_trains_on_draft_rows_spread_over_each_data_shard(draft_rows):
+    """rl.draft_rows=2 of 4 rows over 2 data shards (or 1, rounded up to a row a shard): the
+    draft's loss and gradients are those of rows 0 and 2 alone (one per shard), the policy's
+    those of the whole batch."""
     batch = packing.pack(*random_rollouts(16, 6, 7, MODEL.vocab_size), per_row=4, align=2)
     mesh = mesh_lib.make_mesh(MeshConfig(data=2), jax.devices()[:2])
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -274,7 +276,7 @@ def test_the_draft_trains_on_draft_rows_spread_over_each_data_shard():
         batch = batch if mesh is None else jax.device_put(batch, rows)
         return jax.device_get(jax.jit(jax.grad(loss, has_aux=True))(params, {}, None, batch))
 
-    got = run(dataclasses.replace(RL, prompts=4, draft_rows=2), batch, mesh)
+    got = run(dataclasses.replace(RL, prompts=4, draft_rows=draft_rows), batch, mesh)
     whole = run(dataclasses.replace(RL, prompts=4), batch, None)
     subset = run(dataclasses.replace(RL, prompts=4), jax.tree.map(lambda x: x[::2], batch), None)
     close(got[1]["policy_loss"], whole[1]["policy_loss"])

@@ -66,8 +66,9 @@ class RLConfig:
     The draft loss (weight `draft_loss_weight`) runs the trunk pass and `ttt_steps` branch steps
     of the training-time test, step i weighted `ttt_decay`**i, in chunks of `loss_chunk` tokens
     along the sequence, on `draft_rows` of the step's training rows (0: all of them; else rows
-    spread evenly over each data shard's): the draft's passes cost a share of the policy's that
-    grows as the policy is shallower, and a subset of each step's fresh rollouts bounds it.
+    spread evenly over each data shard's, rounded up to a multiple of the data shards): the
+    draft's passes cost a share of the policy's that grows as the policy is shallower, and a
+    subset of each step's fresh rollouts bounds it.
     Policy and draft have their own learning rate and gradient clipping.
     `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
 
@@ -224,11 +225,6 @@ class RLConfig:
         if self.packed_rows % sizes["data"]:
             raise ConfigError(
                 f"rl.packed_rows={self.packed_rows} does not split over mesh.data={sizes['data']}; "
-                "make it a multiple of it."
-            )
-        if self.draft_rows % sizes["data"]:
-            raise ConfigError(
-                f"rl.draft_rows={self.draft_rows} does not split over mesh.data={sizes['data']}; "
                 "make it a multiple of it."
             )
         sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)

@@ -137,12 +137,12 @@ def make_train_step(
 
 
 def _draft_rows(rows: int, mesh, taps, *arrays):
-    """(taps [L,B',T,D], *arrays [B',...]): `rows` rows of the batch (0: all), spread evenly over
-    each data shard's, so none moves between devices."""
+    """(taps [L,B',T,D], *arrays [B',...]): `rows` rows of the batch (0: all), rounded up to a
+    multiple of the data shards, spread evenly over each shard's, so none moves between devices."""
     if not rows:
         return (taps, *arrays)
     shards = 1 if mesh is None else mesh_lib.axis_size(mesh, "batch")
-    local, per_shard = taps.shape[1] // shards, rows // shards
+    local, per_shard = taps.shape[1] // shards, -(-rows // shards)
     spread = jnp.arange(per_shard) * local // per_shard
     pick = lambda x: mesh_lib.take_local_rows(x, jnp.broadcast_to(spread, (shards, per_shard)))
     return (jax.vmap(pick)(taps), *map(pick, arrays))

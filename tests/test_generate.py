@@ -184,9 +184,15 @@ def test_compacted_rows_decode_as_the_whole_batch(setup, kind):
     np.testing.assert_allclose(got.logprobs, whole.logprobs, atol=1e-5)
     for name in ("steps", "accepted", "reached_depth", "accepted_non_first", "iterations"):
         np.testing.assert_array_equal(getattr(got.stats, name), getattr(whole.stats, name))
-    assert int(whole.stats.row_steps) == 8 * int(whole.stats.iterations)
-    assert int(got.stats.row_steps) < int(whole.stats.row_steps)
+    assert whole.stats.row_steps.tolist() == [8 * int(whole.stats.iterations)]
+    assert np.sum(got.stats.row_steps) < np.sum(whole.stats.row_steps)
     assert got.stats.busy() > whole.stats.busy()
+    # Each stage's rows and tokens: 8 rows a step, then 6, then 5; every token emitted counted.
+    rows, emitted = np.asarray(got.stats.row_steps), np.asarray(got.stats.emitted)
+    assert rows[0] % 8 == rows[1] % 6 == rows[2] % 5 == 0 and (rows > 0).all()
+    assert emitted.sum() == np.sum(got.stats.steps) + np.sum(got.stats.accepted)
+    want = (np.sum(whole.stats.steps) + np.sum(whole.stats.accepted)) / (8 * whole.stats.iterations)
+    assert whole.stats.tokens_per_row_step(0) == pytest.approx(want)
 
 
 def test_buckets_verify_their_own_trees(setup):
@@ -212,7 +218,7 @@ def test_compaction_on_the_training_mesh_keeps_rows_on_their_shard(setup):
     config = greedy(eos_id=s["eos"], tree=TREES["chain"], buckets=(Bucket(6),))
     got = generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
     np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
-    assert int(got.stats.row_steps) < 8 * int(got.stats.iterations)
+    assert np.sum(got.stats.row_steps) < 8 * int(got.stats.iterations)
     with pytest.raises(ConfigError, match=r"rollout.buckets\[0\].rows=3 does not split over"):
         config = greedy(buckets=(Bucket(3),))
         generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
@@ -328,7 +334,7 @@ def test_compacted_sampling_is_lossless(small, kind):
     buckets = (Bucket(16_000), Bucket(8_000), Bucket(2_000))
     case = dict(c, eos_id=eos, buckets=buckets)
     got, out = sample_codes(small, case, speculative=kind != "plain")
-    assert int(out.stats.row_steps) < TRIALS * int(out.stats.iterations)  # it compacted
+    assert np.sum(out.stats.row_steps) < TRIALS * int(out.stats.iterations)  # it compacted
     joint = exact_joint(small[0], c["temperature"], c["top_p"], eos=eos)
     assert chi_square_p_value(got, joint) > P_VALUE
 

@@ -239,6 +239,28 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
         assert all(r["accepted_length"] == 1.0 for r in rows)
 
 
+def test_each_stage_of_a_rollout_verifies_the_tree_that_pays_at_its_rows(tmp_path, cache):
+    """rl.tree_costs with rollout.buckets: the 8 rows a device decodes verify the tree that pays
+    at 8 rows (a chain of 2: a chain of 4 costs 4 plain steps there), the bucket of a row a
+    device the one that pays at 1 row (a chain of 4, as cheap as a chain of 2 there)."""
+    chains = {"chain 2": (1.0, 1.0, 1.5), "chain 4": (1.0, 9.0, 2.0)}  # costs at 1, 256; accepted
+    step = lambda t, i: {"step_in_decode_steps": chains[t][i], "accepted_length": chains[t][2]}
+    rows = [
+        {"batch": b, "speculative": {t: step(t, i) for t in chains}} for i, b in [(0, 1), (1, 256)]
+    ]
+    trees = {t: dataclasses.asdict(TreeConfig(kind="chain", depth=int(t[-1]))) for t in chains}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"args": {"temperature": 1.0}, "trees": trees, "rows": rows}))
+    extra = (
+        "rl.steps=2",
+        "rl.sft_steps=5",
+        f"rl.tree_costs={costs}",
+        "rollout.buckets=[{rows: 8}]",
+    )
+    metrics = loop(tmp_path / "run", cache, *extra)
+    assert [r["tree"] for r in metrics] == ["chain 2 > chain 4"] * 2
+
+
 def test_rows_packed_by_real_lengths_give_the_full_layouts_losses_and_gradients():
     """rl.packed_rows: 8 rollouts whose responses end early, packed into 1 row by their real
     lengths instead of 2 at full length, give the same losses and gradients; sequences that do

@@ -117,3 +117,12 @@ def test_costs_measured_at_another_temperature_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"at temperature 0.0, but rollout.temperature=1.0"):
         TreeChooser.from_bench(path, 1.0)
     assert TreeChooser.from_bench(path, 0.0).pick(1)[0] == "dynamic"
+
+
+def test_a_bucket_takes_the_tree_that_pays_most_even_where_plain_decoding_would_win(tmp_path):
+    """`pick_tree`: a bucket's rows speculate as the rows before them did, so plain decoding is
+    no candidate there."""
+    chooser = TreeChooser.from_bench(bench_json(tmp_path / "b.json", TREES, ACCEPTED), 1.0)
+    assert chooser.pick(256)[0] is None
+    assert chooser.pick_tree(256) == ("chain", TREES["chain"])
+    assert chooser.pick_tree(1)[0] == "dynamic"

@@ -76,10 +76,11 @@ class RLConfig:
     `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
     n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
 
-    `tree_costs`: a JSON of `jspec/bench/rollout.py` (speculative steps timed on this machine);
-    each rollout batch then verifies the tree that pays most at its batch size, by those costs and
-    the accepted lengths rollouts measure, or decodes plainly (`jspec.sampler.tree_choice`). None:
-    always `rollout.tree`.
+    `tree_costs`: a JSON of `jspec/bench/rollout.py` (speculative steps timed on this machine, at
+    the rollouts' temperature); each rollout batch then verifies the tree that pays most at its
+    batch size, by those costs and the accepted lengths rollouts measure, or decodes plainly, and
+    each of `rollout.buckets` the tree that pays most at its rows (`jspec.sampler.tree_choice`).
+    None: always `rollout.tree` (and the buckets' own).
 
     `policy`: the checkpoint the policy starts from, a Hugging Face directory (config.json,
     safetensors, tokenizer.json) or a `train_code_lm` run directory (its target/); the `model`

@@ -57,7 +57,7 @@ from tqdm import tqdm
 from jspec import config as config_lib
 from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
-from jspec.config import ConfigError
+from jspec.config import ConfigError, RolloutConfig
 from jspec.jobs import cli, trainer
 from jspec.models import create, draft_factory, hf, hf_eagle3
 from jspec.rl import grpo, meshes, packing, tasks
@@ -65,7 +65,7 @@ from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import Rollout
-from jspec.sampler.generation import compiled_programs, decode_rows, row_shards
+from jspec.sampler.generation import compiled_programs, decode_rows, row_shards, stages
 from jspec.sampler.tree_choice import TreeChooser
 
 EXPORT = "export"  # RUN_DIR/export/: the policy and draft in the layouts serving engines load
@@ -310,7 +310,9 @@ class InFlight(NamedTuple):
 
     step: int
     version: int
-    tree: str | None  # the name of the tree `Run.trees` chose (None: as configured, or plain)
+    trees: tuple[
+        str | None, ...
+    ]  # the name of the tree `Run.trees` chose (None: as configured, or plain)
     rows: slice
     group: list  # this process's problems, one per sequence
     prompts: np.ndarray
@@ -327,15 +329,29 @@ def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
     problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
     group = [p for p in problems for _ in range(rl.group_size)][mine]
     prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
-    config, tree, speculative = run.cfg.rollout, None, True
-    if run.trees is not None:  # the bench timed one device: its batch is the rows per device
-        shards = row_shards(run.rollout_mesh or run.mesh)
-        tree, tree_config = run.trees.pick(decode_rows(config, rl.batch) // shards)
-        speculative = tree is not None
-        config = config if tree is None else dataclasses.replace(config, tree=tree_config)
+    config, trees, speculative = run.cfg.rollout, (None,), True
+    if run.trees is not None:
+        config, trees = choose_trees(run, config)
+        speculative = trees != (None,)
     start = time.perf_counter()
     out = sampler.generate(prompts, prompt_lengths, rl.batch, step, config, speculative)
-    return InFlight(step, sampler.version, tree, mine, group, prompts, prompt_lengths, out, start)
+    return InFlight(step, sampler.version, trees, mine, group, prompts, prompt_lengths, out, start)
+
+
+def choose_trees(run: Run, config: RolloutConfig) -> tuple[RolloutConfig, tuple[str | None, ...]]:
+    """The rollout config with the trees `run.trees` picks by the rows of each of its stages
+    (the bench timed one device: its batch is the rows per device), and their names: (None,)
+    for plain decoding, where no tree pays at the whole batch."""
+    shards = row_shards(run.rollout_mesh or run.mesh)
+    rows = decode_rows(config, run.rl.batch)
+    name, tree = run.trees.pick(rows // shards)
+    if name is None:
+        return config, (None,)
+    below = [run.trees.pick_tree(r // shards) for r, _ in stages(config, rows)[1:]]
+    buckets = [b for b in config.buckets if b.rows < rows]  # the stages' own, in order
+    picked = [dataclasses.replace(b, tree=t) for b, (_, t) in zip(buckets, below, strict=True)]
+    names = (name, *(n for n, _ in below))
+    return dataclasses.replace(config, tree=tree, buckets=tuple(picked)), names
 
 
 def finish_rollout(run: Run, job: InFlight):
@@ -354,8 +370,12 @@ def finish_rollout(run: Run, job: InFlight):
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
     accepted = stats.mean_accepted_length() if run.mode != "none" else 1.0
-    if run.trees is not None and int(stats.iterations):
-        run.trees.observe(job.tree, stats.tokens_per_row_step())
+    if run.trees is not None and job.trees == (None,):  # plain decoding, its buckets included
+        run.trees.observe(None, stats.tokens_per_row_step())
+    elif run.trees is not None:  # each stage's tree, where it ran
+        for stage, tree in enumerate(job.trees):
+            if int(stats.row_steps[stage]):
+                run.trees.observe(tree, stats.tokens_per_row_step(stage))
     metrics = {
         "reward": float(all_rewards.mean()),
         "accepted_length": accepted,
@@ -371,7 +391,7 @@ def finish_rollout(run: Run, job: InFlight):
     if rl.packed_rows:
         metrics["packed_rows"] = rows
     if run.trees is not None:
-        metrics["tree"] = job.tree or "plain"
+        metrics["tree"] = " > ".join(tree or "plain" for tree in job.trees)  # stage by stage
     return run.put(packed, mine.start, rows), metrics
 
 

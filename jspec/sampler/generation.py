@@ -65,8 +65,10 @@ class RolloutStats(NamedTuple):
     failed [P]: prompts whose results must not be used (a prompt length out of range, or a cache
       overflow, possible only when `rollout` is traced with unknown lengths).
     iterations []: verify steps of the loop, active rows or not (a step costs the same either way).
-    row_steps []: rows decoded, summed over the iterations (fewer than rows x iterations once the
-      live rows are compacted into a smaller bucket).
+    row_steps [S]: rows decoded, summed over the iterations of each stage (`stages`: the batch
+      decoded at once, then each bucket below it; fewer than rows x iterations once the live rows
+      are compacted into a smaller bucket).
+    emitted [S]: tokens emitted in each stage, over all rows.
     """
 
     steps: Int[Array, " p"]
@@ -75,7 +77,8 @@ class RolloutStats(NamedTuple):
     accepted_non_first: Int[Array, " p"]
     failed: Bool[Array, " p"]
     iterations: Int[Array, ""]
-    row_steps: Int[Array, ""]
+    row_steps: Int[Array, " s"]
+    emitted: Int[Array, " s"]
 
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
@@ -85,12 +88,15 @@ class RolloutStats(NamedTuple):
     def busy(self) -> float:
         """The share of the rows' steps in which they emitted (a row idles once it is done and no
         prompt waits for it)."""
-        return int(np.sum(self.steps)) / max(int(self.row_steps), 1)
+        return int(np.sum(self.steps)) / max(int(np.sum(self.row_steps)), 1)
 
-    def tokens_per_row_step(self) -> float:
+    def tokens_per_row_step(self, stage: int | None = None) -> float:
         """Tokens a row emits per loop step, idle steps counted: what speculation gains per row
-        over plain decoding's at most 1 (mean accepted length x busy)."""
-        return self.mean_accepted_length() * self.busy()
+        over plain decoding's at most 1 (mean accepted length x busy), over the rollout or over
+        one of its `stages`."""
+        if stage is None:
+            return self.mean_accepted_length() * self.busy()
+        return int(self.emitted[stage]) / max(int(self.row_steps[stage]), 1)
 
     def acceptance_per_depth(self) -> np.ndarray:
         """Fraction of verify steps whose accepted path reached each depth."""
@@ -257,9 +263,9 @@ def rollout(
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     shards = row_shards(target.mesh)
-    stages = _stages(config, b)
-    depth = max(_tree_depth(c.tree, draft) for _, c in stages)
-    zeros = jnp.zeros((p,), jnp.int32)
+    stage_configs = stages(config, b)
+    depth = max(_tree_depth(c.tree, draft) for _, c in stage_configs)
+    zeros, per_stage = jnp.zeros((p,), jnp.int32), jnp.zeros((len(stage_configs),), jnp.int32)
     stats = RolloutStats(
         steps=zeros,
         accepted=zeros,
@@ -267,7 +273,8 @@ def rollout(
         accepted_non_first=zeros,
         failed=failed,
         iterations=jnp.int32(0),
-        row_steps=jnp.int32(0),
+        row_steps=per_stage,
+        emitted=per_stage,
     )
     state = _Loop(
         rows=_empty_rows(target, draft, start, prompts[:b], lengths[:b], t + m),
@@ -284,20 +291,21 @@ def rollout(
     # The rows' first prompts, `chunk` rows at a time: a prefill's activations are of that many.
     first = lambda i, s: fill(s, jnp.minimum(i * chunk + jnp.arange(chunk), b))
     state = jax.lax.fori_loop(0, -(-b // chunk), first, state)
-    for i, (rows, stage) in enumerate(stages):
-        step = functools.partial(_verify_step, target, draft, embed, stage)
+    for i, (rows, stage) in enumerate(stage_configs):
+        step = functools.partial(_verify_step, target, draft, embed, stage, i)
         if i:
             state = _compact(state, rows, shards)
         elif b < p:
             step = lambda s, step=step: step(_refill(fill, chunk, s))
-        below = stages[i + 1][0] if i + 1 < len(stages) else 0
+        below = stage_configs[i + 1][0] if i + 1 < len(stage_configs) else 0
         running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
         state = jax.lax.while_loop(running, step, state)
     return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
 
 
-def _stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
-    """(rows, config) of the batch decoded at once and of each bucket below it, in order."""
+def stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
+    """(rows, config) of the batch of `rows` decoded at once and of each bucket below it, in
+    order: the stages of a rollout (`RolloutStats.row_steps` and `emitted` are theirs)."""
     below = [b for b in config.buckets if b.rows < rows]
     tree = lambda b: dataclasses.replace(config, tree=b.tree or config.tree)
     return [(rows, config)] + [(b.rows, tree(b)) for b in below]
@@ -389,8 +397,9 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     )
 
 
-def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop:
-    """Draft a tree, verify it in one target forward, emit, and advance both caches."""
+def _verify_step(target, draft, embed, config: RolloutConfig, stage: int, s: _Loop) -> _Loop:
+    """Draft a tree, verify it in one target forward, emit, and advance both caches (statistics
+    of stage `stage`)."""
     b, m = s.done.shape[0], s.tokens.shape[1]
     cache, root = s.rows.cache, s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
@@ -449,7 +458,8 @@ def _verify_step(target, draft, embed, config: RolloutConfig, s: _Loop) -> _Loop
         ),
         failed=s.stats.failed.at[s.prompt].max(cache.overflowed, mode="drop"),
         iterations=s.stats.iterations + 1,
-        row_steps=s.stats.row_steps + b,
+        row_steps=s.stats.row_steps.at[stage].add(b),
+        emitted=s.stats.emitted.at[stage].add(jnp.sum(count)),
     )
     return s._replace(
         rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root)),

@@ -165,6 +165,12 @@ class TreeChooser:
         prior[None] = float(np.mean([r.get("busy", 1.0) for r in data["rows"]]))
         return cls(StepCosts.from_rows(data["rows"]), trees, prior, **kw)
 
+    def pick_tree(self, batch: int) -> tuple[str, TreeConfig]:
+        """(name, tree) of the tree that pays most at `batch` rows, plain decoding no candidate: a
+        bucket's, whose rows speculate as the rows before them did."""
+        name, _ = best_tree(self.costs, batch, self.estimate)
+        return name, self.trees[name]
+
     def pick(self, batch: int) -> tuple[str | None, TreeConfig | None]:
         """(name, tree) for a batch of `batch` rows; (None, None): plain decoding."""
         name, _ = choose_tree(self.costs, batch, self.estimate, self.plain)

@@ -75,9 +75,8 @@ def parse_args(argv=None):
         choices=list(TREES),
         default=None,
         metavar="NAME",
-        help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; by default those of "
-        f"the temperature: {' and '.join(map(repr, DEFAULT_TREES[True]))} above 0, "
-        f"{' and '.join(map(repr, DEFAULT_TREES[False]))} at 0",
+        help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; default: "
+        f"{DEFAULT_TREES[True]} above temperature 0, {DEFAULT_TREES[False]} at 0",
     )
     p.add_argument(
         "--draft-vocab",

@@ -310,9 +310,8 @@ class InFlight(NamedTuple):
 
     step: int
     version: int
-    trees: tuple[
-        str | None, ...
-    ]  # the name of the tree `Run.trees` chose (None: as configured, or plain)
+    # The trees `Run.trees` chose, stage by stage ((None,): as configured, or plain decoding).
+    trees: tuple[str | None, ...]
     rows: slice
     group: list  # this process's problems, one per sequence
     prompts: np.ndarray

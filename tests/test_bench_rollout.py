@@ -4,6 +4,7 @@ distinct prompts), the speedup the costs predict, the naming of profiled kernels
 with `--no-spec`) against a step-by-step loop (`jspec/bench/greedy_check.py`)."""
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -78,3 +79,18 @@ def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monk
     monkeypatch.setattr(greedy_check, "step_by_step_greedy", lambda *a: changed)
     with pytest.raises(SystemExit, match="plain differs"):
         greedy_check.check_greedy(*models, trees, args, batch=2, new_tokens=6)
+
+
+def test_every_speedup_is_quoted_with_its_temperature_trees_and_draft(tmp_path):
+    """The default trees follow --temperature (sampled above 0, argmax at 0); the JSON and the
+    log say the temperature and where the draft came from."""
+    args = bench_rollout.parse_args(["--temperature", "1"])
+    assert args.trees == ["sampled chain 4", "sampled dynamic 8"]
+    assert bench_rollout.parse_args([]).trees == ["chain 4", "dynamic 8 (SGLang)"]
+    random_draft = {"temperature": 1.0, "draft": "random weights: speed only"}
+    assert bench_rollout.provenance(args) == random_draft
+    report = {"args": {"draft_steps": 3000}, "draft_top1_agreement": 0.7712}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    trained = bench_rollout.provenance(bench_rollout.parse_args(["--trained", str(tmp_path)]))
+    assert trained["temperature"] == 0.0 and trained["draft"].startswith("trained offline")
+    assert (trained["draft_steps"], trained["draft_top1_agreement"]) == (3000, 0.771)

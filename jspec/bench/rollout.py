@@ -20,7 +20,10 @@ draft written by `jspec.jobs.train_code_lm`: then prompts are held-out source fi
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
 of `generate`, over `--acceptance-rows` distinct prompts: a small batch runs several batches of
 them) and the speedup predicted from the verify cost curve, the draft's proposal and the loop's
-own work (plain decoding's step less its forward). Prints a table and writes JSON.
+own work (plain decoding's step less its forward). Prints a table and writes JSON; every speedup
+is quoted with its temperature, its tree's kind (sampled or argmax) and where the draft came from
+(random, or trained offline: its steps and held-out agreement). The default trees follow
+`--temperature`: trees drawn from the draft above 0 (what RL samples at), argmax trees at 0.
 
 `--profile DIR` adds tables of the GPU kernels of one step of the plain, speculative and verify
 loops (two loop lengths traced, their difference kept, so the prefill drops out); run under
@@ -276,6 +279,7 @@ def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dic
         spec = loop_rate(model, draft, tree, prompts, rows, args)
         drafting = loop_seconds(run, args.iters, **LOOP_LENGTHS)
         out[name] = dict(
+            tree="sampled" if tree.sampled and args.temperature > 0 else "argmax",
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
             accepted_length=spec.accepted,
@@ -464,17 +468,32 @@ def main(argv=None):
         trees = {name: TREES[name] for name in args.trees}  # `--no-spec` or not
         check_greedy(*models(args, dtype="float32"), trees, args)
     model, draft, prompt_rows = models(args)
-    log("models ready")
+    quoted = provenance(args)
+    log(f"models ready; every speedup below is at {json.dumps(quoted)}")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     rows = []
     for b in args.batches:
         rows.append(measure(model, draft, queue(prompt_rows, b, args), b, weight_bytes, args))
         print_row(rows[-1])
         trees = {name: dataclasses.asdict(tree) for name, tree in timed_trees(args).items()}
-        out = dict(args=vars(args), trees=trees, rows=rows)
+        out = dict(args=vars(args), provenance=quoted, trees=trees, rows=rows)
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_spec:
         print_choices(rows)
+
+
+def provenance(args) -> dict:
+    """What every speedup of the run is quoted with: its temperature and where its draft came
+    from (its training steps and held-out top-1 agreement when train_code_lm trained it)."""
+    if not args.trained:
+        return dict(temperature=args.temperature, draft="random weights: speed only")
+    report = json.loads((pathlib.Path(args.trained) / "report.json").read_text())
+    return dict(
+        temperature=args.temperature,
+        draft="trained offline by jspec.jobs.train_code_lm",
+        draft_steps=report["args"]["draft_steps"],
+        draft_top1_agreement=round(report["draft_top1_agreement"], 3),
+    )
 
 
 def queue_length(batch: int, args) -> int:
@@ -549,7 +568,7 @@ def print_row(r) -> None:
     ]
     for name, x in r["speculative"].items():
         parts.append(
-            f"{name}: step {x['step_in_decode_steps']:.2f} decodes (draft "
+            f"{name} ({x['tree']}): step {x['step_in_decode_steps']:.2f} decodes (draft "
             f"{x['draft_in_decode_steps']:.2f}), accepted "
             f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x "
             f"(predicted {x['predicted_speedup']:.2f}x)"

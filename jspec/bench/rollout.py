@@ -279,7 +279,7 @@ def speculative(model, draft, prompts, rows, plain: LoopRate, curve, drafts: dic
         spec = loop_rate(model, draft, tree, prompts, rows, args)
         drafting = loop_seconds(run, args.iters, **LOOP_LENGTHS)
         out[name] = dict(
-            tree="sampled" if tree.sampled and args.temperature > 0 else "argmax",
+            tree="sampled" if tree.sampled_at(args.temperature) else "argmax",
             step_in_decode_steps=spec.step / plain.step,
             draft_in_decode_steps=drafting / plain.step,
             accepted_length=spec.accepted,

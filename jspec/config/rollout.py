@@ -40,6 +40,11 @@ class TreeConfig:
     sampled: bool = True
     verify_budget: int = 64
 
+    def sampled_at(self, temperature: float) -> bool:
+        """Whether the nodes are drawn from the draft at `temperature`: `sampled`, above 0 (at 0
+        the draft's draws are its top-ranked tokens, which the point-mass trees propose)."""
+        return self.sampled and temperature > 0
+
     @property
     def num_nodes(self) -> int:
         if self.kind == "static":
@@ -61,7 +66,7 @@ class TreeConfig:
             for name in ("depth",) + (("top_k", "total_tokens") if self.kind == "dynamic" else ()):
                 if getattr(self, name) < 1:
                     raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
-        if self.kind == "dynamic" and self.sampled and temperature > 0:
+        if self.kind == "dynamic" and self.sampled_at(temperature):
             if not self.depth <= self.total_tokens <= self.depth * self.top_k:
                 raise ConfigError(
                     f"{where}.total_tokens={self.total_tokens}: a sampled dynamic tree of "

@@ -519,13 +519,6 @@ class _TreeCarry(NamedTuple):
     previous: Int[Array, ""]  # where the previous frontier's nodes are
 
 
-def _sampled(tree: TreeConfig, config: RolloutConfig) -> bool:
-    """Whether the tree's nodes are drawn from the draft (verified against its probabilities):
-    `tree.sampled` above temperature 0; at 0 the draft's draws are its top-ranked tokens, which
-    the deterministic trees (point masses, the EAGLE-2 tree for 'dynamic') propose as well."""
-    return tree.sampled and config.temperature > 0
-
-
 def _static_shape(tree: TreeConfig) -> StaticTree:
     """The topology the draft fills (of a 'dynamic' tree: the sampled form's candidates)."""
     if tree.kind == "dynamic":
@@ -550,7 +543,7 @@ def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
 
 def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> Tree:
     """The draft's tree below the root, as `config.tree` describes it."""
-    tc, sampled = config.tree, _sampled(config.tree, config)
+    tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
     b = root.logits.shape[0]
     frontier = tc.top_k if tc.kind == "dynamic" and not sampled else 1
     carry = _TreeCarry(
@@ -580,10 +573,8 @@ def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> 
 
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     if tc.kind != "dynamic":
-        key = key if sampled else None
-        return build_static_tree(_static_shape(tc), root.logits, step, carry, key=key, **sampling)[
-            0
-        ]
+        shape, key = _static_shape(tc), key if sampled else None
+        return build_static_tree(shape, root.logits, step, carry, key=key, **sampling)[0]
     if not sampled:
         return build_dynamic_tree(
             root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens

@@ -33,6 +33,22 @@ def test_a_body_that_leaves_out_a_step_or_returns_early_fails_a_test():
     assert (rewards[empty] <= 1 / code_task.HIDDEN).all()
 
 
+def test_a_response_repeated_for_its_problem_runs_once_and_each_copy_is_scored(monkeypatch):
+    p, q = problems(3, range(2))
+    batch = [p, p, q, p, q]
+    responses = [p.answer, p.answer, p.answer, "    return []\n", q.answer]
+    ran = []
+    run_many = code_task.sandbox.run_many
+    monkeypatch.setattr(
+        code_task.sandbox,
+        "run_many",
+        lambda programs, **kw: ran.extend(programs) or run_many(programs, **kw),
+    )
+    rewards = code_task.score(batch, responses).tolist()
+    assert len(ran) == 4  # p's answer once, for p; p's answer to q; [] to p; q's answer
+    assert rewards[0] == rewards[1] == rewards[4] == 1.0 and rewards[2] < 1 and rewards[3] < 1
+
+
 def test_hangs_crashes_and_bad_syntax_score_zero():
     p = code_task.problem(np.random.default_rng(0), 3)
     responses = [

@@ -207,6 +207,10 @@ def test_the_experiment_runs_each_mode_and_tables_the_ratios(tmp_path, policy_di
     assert table["none"]["accepted_first"] == 1.0 and table["none"]["rollout_speedup"] == 1.0
     assert table["cotrain"]["accepted_first"] > 1.0 and table["cotrain"]["steps"] == 2
     assert table["cotrain"]["agreement_last"] is not None
+    # Plain decoding trips its loop once a token after the first, for the longest response.
+    assert table["none"]["verify_steps"] >= table["none"]["response_length"] - 1
+    samples = [json.loads(line) for line in (tmp_path / "none-seed0" / "samples.jsonl").open()]
+    assert [s["step"] for s in samples] == [0, 0] and all(0 <= s["reward"] <= 1 for s in samples)
     assert (tmp_path / "rl_experiment.png").stat().st_size > 0
     before = (tmp_path / "cotrain-seed0" / "metrics.jsonl").read_text()
     rl_experiment.main(args)

@@ -131,6 +131,11 @@ def summarize_mode(runs: list[list[dict]]) -> dict:
             np.median(column("step_time", speed) - sum(column(k, speed) for k in TIMES[:-1]))
         ),
         "rollout_tokens_per_s": float(np.median(column("rollout_tokens_per_s", speed))),
+        "verify_steps": float(np.median(column("verify_steps", speed))),
+        # Seconds of rollout per loop trip: what a trip costs, prefill and host work included.
+        "rollout_ms_per_verify_step": float(
+            1e3 * np.median(column("rollout_time", speed) / column("verify_steps", speed))
+        ),
     }
 
 

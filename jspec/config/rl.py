@@ -69,7 +69,9 @@ class RLConfig:
     spread evenly over each data shard's, rounded up to a multiple of the data shards): the
     draft's passes cost a share of the policy's that grows as the policy is shallower, and a
     subset of each step's fresh rollouts bounds it.
-    Policy and draft have their own learning rate and gradient clipping.
+    Policy and draft have their own learning rate and gradient clipping. Every `samples_every`
+    steps (0: never) the first response of each of the step's first two groups goes with its
+    reward to RUN_DIR/samples.jsonl: what the policy writes, to read beside the metrics.
     `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
 
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
@@ -118,6 +120,7 @@ class RLConfig:
     ttt_decay: float = 0.8
     loss_chunk: int = 64
     save_every: int = 10
+    samples_every: int = 10
     keep_checkpoints: int = 3
     max_lag: int = 0
     rollout_mesh: MeshConfig | None = None
@@ -144,6 +147,7 @@ class RLConfig:
             "draft_loss_weight",
             "ttt_steps",
             "save_every",
+            "samples_every",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")

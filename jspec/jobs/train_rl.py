@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import shutil
 import sys
@@ -320,14 +321,21 @@ class InFlight(NamedTuple):
     start: float
 
 
-def start_rollout(run: Run, sampler: Sampler, step: int) -> InFlight:
-    """Draws the prompts of `step` and dispatches a group of sampled responses to each. Each
-    process encodes (and later scores and packs) its own rows only: whole groups."""
+def step_prompts(run: Run, step: int) -> tuple[list, np.ndarray, np.ndarray]:
+    """This process's problems of RL step `step`, one per sequence (whole groups: it encodes,
+    and later scores and packs, its own rows only), and their prompts encoded with their
+    lengths."""
     rl = run.rl
-    mine = run.sequences(rl.batch)
     problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
-    group = [p for p in problems for _ in range(rl.group_size)][mine]
-    prompts, prompt_lengths = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
+    group = [p for p in problems for _ in range(rl.group_size)][run.sequences(rl.batch)]
+    return (group, *tasks.encode_prompts(run.tokenizer, group, run.prompt_width))
+
+
+def start_rollout(run: Run, sampler: Sampler, step: int, made=None) -> InFlight:
+    """Dispatches a group of sampled responses to each prompt of `step` (`made`: its
+    `step_prompts`, if made ahead)."""
+    rl, mine = run.rl, run.sequences(run.rl.batch)
+    group, prompts, prompt_lengths = made or step_prompts(run, step)
     config, trees, speculative = run.cfg.rollout, (None,), True
     if run.trees is not None:
         config, trees = choose_trees(run, config)
@@ -382,6 +390,7 @@ def finish_rollout(run: Run, job: InFlight):
         "response_length": float(all_lengths.mean()),
         "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,
+        "verify_steps": int(np.max(stats.iterations)),  # loop trips: the rollout's longest chain
         "score_time": score_time,
         "lag": job.step - job.version,
         "rollout_programs": compiled_programs(),  # one per tree chosen (buckets are stages)
@@ -391,7 +400,12 @@ def finish_rollout(run: Run, job: InFlight):
         metrics["packed_rows"] = rows
     if run.trees is not None:
         metrics["tree"] = " > ".join(tree or "plain" for tree in job.trees)  # stage by stage
-    return run.put(packed, mine.start, rows), metrics
+    # The first response of each of the first two groups, to read what the policy writes.
+    shown = [
+        {"step": job.step, "reward": float(rewards[i]), "response": responses[i]}
+        for i in range(0, min(len(responses), 2 * rl.group_size), rl.group_size)
+    ]
+    return run.put(packed, mine.start, rows), metrics, shown
 
 
 def start_or_resume(run: Run, loop: trainer.TrainLoop, log):
@@ -421,16 +435,23 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
     sampler = Sampler(run.sampler_networks, run.networks)
     sampler.load(state, first)
     inflight: dict[int, InFlight] = {}
+    made = {}  # step_prompts of the next step to dispatch, made while the device trains
     bar = tqdm(range(first, rl.steps), initial=first, total=rl.steps, disable=quiet)
     try:
         for step in bar:
             start = time.perf_counter()
             for ahead in range(step, min(step + rl.max_lag, last - 1) + 1):
                 if ahead not in inflight:
-                    inflight[ahead] = start_rollout(run, sampler, ahead)
-            batch, metrics = finish_rollout(run, inflight.pop(step))
+                    inflight[ahead] = start_rollout(run, sampler, ahead, made.pop(ahead, None))
+            batch, metrics, shown = finish_rollout(run, inflight.pop(step))
+            if rl.samples_every and step % rl.samples_every == 0 and hosts.is_main():
+                with loop.metrics_path.with_name("samples.jsonl").open("a") as f:
+                    f.writelines(json.dumps(sample) + "\n" for sample in shown)
             train_start = time.perf_counter()
-            state, train_metrics = jax.block_until_ready(train_step(state, batch))
+            update = train_step(state, batch)  # dispatched: the host is free while it runs
+            if (following := step + rl.max_lag + 1) < last:
+                made[following] = step_prompts(run, following)
+            state, train_metrics = jax.block_until_ready(update)
             metrics["train_time"] = time.perf_counter() - train_start
             metrics["transfer_time"] = sampler.load(state, step + 1)
             metrics.update({k: float(v) for k, v in jax.device_get(train_metrics).items()})

@@ -36,7 +36,13 @@ State = TypeVar("State")
 # Config fields an RL checkpoint's state is shaped by: a resume that changes them cannot restore.
 SHAPED_BY = ("model", "draft_mode", "rollout.draft", "pipeline")
 # Config fields an RL resume may change and still continue as the uninterrupted run would have.
-SAFE_TO_CHANGE = ("name", "rl.steps", "rl.save_every", "rl.keep_checkpoints")
+SAFE_TO_CHANGE = (
+    "name",
+    "rl.steps",
+    "rl.save_every",
+    "rl.samples_every",
+    "rl.keep_checkpoints",
+)
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:

@@ -342,13 +342,17 @@ def program(problem: CodeProblem, response: str, marker: str) -> str:
 
 def score(problems: Sequence[CodeProblem], responses: Sequence[str]) -> np.ndarray:
     """The fraction of its problem's hidden tests each response passes, run all in parallel: 0.0
-    when the program does not run to its end (a syntax error, a crash, a hang, memory)."""
-    markers = [secrets.token_hex(16) for _ in responses]
-    programs = [program(p, r, m) for p, r, m in zip(problems, responses, markers, strict=True)]
+    when the program does not run to its end (a syntax error, a crash, a hang, memory). A response
+    given to the same problem more than once (a group's answers often agree, word for word) runs
+    once and each copy gets its score."""
+    pairs = list(zip(problems, responses, strict=True))
+    distinct = list(dict.fromkeys(pairs))
+    markers = [secrets.token_hex(16) for _ in distinct]
+    programs = [program(p, r, m) for (p, r), m in zip(distinct, markers, strict=True)]
     outcomes = sandbox.run_many(programs, timeout_s=TIMEOUT_S)
-    rewards = []
-    for p, outcome, marker in zip(problems, outcomes, markers, strict=True):
+    scored = {}
+    for (p, r), outcome, marker in zip(distinct, outcomes, markers, strict=True):
         passed = re.findall(rf"^{marker} (\d+)$", outcome.stdout, re.MULTILINE)
         ran = outcome.returncode == 0 and passed
-        rewards.append(min(int(passed[-1]), len(p.tests)) / len(p.tests) if ran else 0.0)
-    return np.asarray(rewards)
+        scored[p, r] = min(int(passed[-1]), len(p.tests)) / len(p.tests) if ran else 0.0
+    return np.asarray([scored[pair] for pair in pairs])

@@ -169,8 +169,11 @@ def _pad_rows(rows: list[list[int]], width: int, fill: int) -> tuple[np.ndarray,
 
 def encode_prompts(tokenizer, batch: Sequence[Any], width: int) -> tuple[np.ndarray, np.ndarray]:
     """Prompt tokens right-padded with the tokenizer's padding id [B, width], and their lengths
-    [B] (int32)."""
-    return _pad_rows([tokenizer.encode(p.prompt) for p in batch], width, tokenizer.pad_id)
+    [B] (int32). Each distinct prompt is encoded once: a group's responses share theirs."""
+    encoded = {
+        prompt: tokenizer.encode(prompt) for prompt in dict.fromkeys(p.prompt for p in batch)
+    }
+    return _pad_rows([encoded[p.prompt] for p in batch], width, tokenizer.pad_id)
 
 
 def encode_answers(tokenizer, batch: Sequence[Any], width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -200,7 +200,7 @@ def test_the_experiment_runs_each_mode_and_tables_the_ratios(tmp_path, policy_di
     warm = tmp_path / "warm-seed0" / train_rl.EXPORT
     assert (warm / "draft" / "config.json").is_file()
     for mode in ("none", "cotrain"):
-        config = tmp_path / f"{mode}-seed0" / "checkpoints" / "0" / "config" / "metadata"
+        config = tmp_path / f"{mode}-seed0" / "checkpoints" / "2" / "config" / "metadata"
         rl = json.loads(config.read_text())["rl"]
         assert rl["policy"] == str(warm / "policy") and rl["sft_steps"] == 0
     table = json.loads((tmp_path / "summary.json").read_text())

@@ -419,7 +419,7 @@ def start_or_resume(run: Run, loop: trainer.TrainLoop, log):
     if (restored := loop.resume(lambda: new(run.initial_params))) is not None:
         return restored[0], step
     state = new(warm_start(run, log))
-    if rl.sft_steps:  # else the state is rl.policy's, read again by a rerun: no 3 GB to write
+    if rl.sft_steps:  # else the state is rl.policy's, which a rerun reads again
         loop.save(0, state)
     return state, step
 

@@ -190,14 +190,15 @@ def test_a_random_policy_saved_by_jspec_is_the_checkpoint_transformers_reads(tmp
 
 
 def test_the_experiment_runs_each_mode_and_tables_the_ratios(tmp_path, policy_dir, cache):
-    """jspec.bench.rl_experiment: one warm start per seed, exported; one train_rl run per mode
-    and seed from that export (none warm-starts again), then the table of the ratios to the run
-    without speculation, and the plot; run again, it trains nothing more."""
+    """jspec.bench.rl_experiment: one warm start, exported; one train_rl run per mode and seed
+    from that export (none warm-starts again), then the table of the ratios to the run without
+    speculation, and the plot; run again, it trains nothing more; a later command's seed joins
+    the table."""
     args = ["--config", "demo", "--policy", str(policy_dir), "--out", str(tmp_path)]
     args += ["--seeds", "0", "--modes", "none", "cotrain", "--compilation-cache", cache]
     args += [*LOOP, "rollout.eos_id=null", *SHORT]
     rl_experiment.main(args)
-    warm = tmp_path / "warm-seed0" / train_rl.EXPORT
+    warm = tmp_path / "warm" / train_rl.EXPORT
     assert (warm / "draft" / "config.json").is_file()
     for mode in ("none", "cotrain"):
         config = tmp_path / f"{mode}-seed0" / "checkpoints" / "2" / "config" / "metadata"
@@ -215,3 +216,6 @@ def test_the_experiment_runs_each_mode_and_tables_the_ratios(tmp_path, policy_di
     before = (tmp_path / "cotrain-seed0" / "metrics.jsonl").read_text()
     rl_experiment.main(args)
     assert (tmp_path / "cotrain-seed0" / "metrics.jsonl").read_text() == before
+    rl_experiment.main([*args, "--seeds", "1", "--modes", "none"])
+    table = json.loads((tmp_path / "summary.json").read_text())
+    assert table["none"]["seeds"] == 2 and table["cotrain"]["seeds"] == 1

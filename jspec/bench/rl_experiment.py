@@ -7,15 +7,17 @@ the co-trained draft, from the same checkpoint and seeds; the table and the plot
     python -m jspec.bench.rl_experiment --policy runs/code --out runs/rl-experiment \\
         --stop-after 9 rl.steps=150        # under a time limit: run again to go on
 
-For each seed, one `train_rl` command (`--config code-rl` by default, the policy
-`rl.policy=POLICY`, the draft `rollout.draft.path=POLICY/draft` or fresh) warm-starts policy and
-draft on the task's worked answers with `rl.steps=0` and exports them to OUT/warm-seed<N>/export;
-then one `train_rl` command per mode starts from that export (no warm start of its own), in
-OUT/<mode>-seed<N>: the three modes start from the very same weights. A run that stops (at
-`--stop-after`, exit status 75, or killed) resumes from its checkpoint when this command runs
-again, and a finished run is not run twice. The no-speculation runs decode plainly (the fastest
-plain path, not the speculative loop with an empty tree), with the same batch, prompts, lengths and
-temperature. When every run is done, OUT/summary.json and OUT/summary.md hold the table (each
+One `train_rl` command (`--config code-rl` by default, the policy `rl.policy=POLICY`, the draft
+`rollout.draft.path=POLICY/draft` or fresh, `seed=--warm-seed`) warm-starts policy and draft on the
+task's worked answers with `rl.steps=0` and exports them to OUT/warm/export; then one `train_rl`
+command per mode and seed starts from that export (no warm start of its own), in
+OUT/<mode>-seed<N>: every run starts from the very same weights, and the seeds differ in RL alone
+(problems and samples). A run that stops (at `--stop-after`, exit status 75, or killed) resumes
+from its checkpoint when this command runs again, and a finished run is not run twice, so the
+runs may be spread over several commands (`--seeds 1 --modes none cotrain` adds a second seed of
+those two). The no-speculation runs decode plainly (the fastest plain path, not the speculative
+loop with an empty tree), with the same batch, prompts, lengths and temperature. When every run of
+the command is done, OUT/summary.json and OUT/summary.md hold the table of every run in OUT (each
 mode's seeds pooled) and OUT/rl_experiment.png the plot: accepted length (co-trained and frozen),
 reward (all three) and rollout tokens/s against step.
 """
@@ -47,7 +49,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--config", default="code-rl")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/rl-experiment"))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="of the RL runs")
+    p.add_argument("--warm-seed", type=int, default=0, help="of the one warm start")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--stop-after", type=float, default=None, metavar="MINUTES")
     p.add_argument("--compilation-cache", default=None, help="train_rl's (default: its own)")
@@ -59,19 +62,19 @@ def run_dir(out: pathlib.Path, mode: str, seed: int) -> pathlib.Path:
 
 
 def run_all(args) -> None:
-    """Each seed's warm start, then every (mode, seed) run from it, each resumed where it
-    stopped; at the time limit, the run in progress saves and this command exits with status 75
+    """The warm start, then every (mode, seed) run from it, each resumed where it stopped; at the
+    time limit, the run in progress saves and this command exits with status 75
     (`trainer.Stopped`)."""
     limits = trainer.Limits(minutes=args.stop_after)
     draft = args.draft or pathlib.Path(args.policy) / "draft"
     draft = draft if pathlib.Path(draft).is_dir() else None  # None: a fresh draft
+    warm = args.out / "warm"
+    start = [f"rl.policy={args.policy}", f"seed={args.warm_seed}", *args.overrides, "rl.steps=0"]
+    start += [f"rollout.draft.path={draft}"] * (draft is not None)
+    train(args, limits, "cotrain", warm, start)
+    exported = warm / train_rl.EXPORT
     for seed in args.seeds:
-        warm = args.out / f"warm-seed{seed}"
-        start = [f"rl.policy={args.policy}", f"seed={seed}", *args.overrides, "rl.steps=0"]
-        start += [f"rollout.draft.path={draft}"] * (draft is not None)
-        train(args, limits, "cotrain", warm, start)
         for mode in args.modes:
-            exported = warm / train_rl.EXPORT
             # After the caller's overrides: every mode starts from the warm start's weights.
             overrides = [*args.overrides, f"rl.policy={exported / 'policy'}", f"seed={seed}"]
             overrides += ["rl.sft_steps=0"]
@@ -92,6 +95,12 @@ def train(args, limits: trainer.Limits, mode: str, directory: pathlib.Path, over
         flags += ["--stop-after", f"{left:.3f}"]
     print(f"{directory.name}: {' '.join(overrides)}", flush=True)
     train_rl.main([*flags, *overrides])
+
+
+def runs_of(out: pathlib.Path) -> dict[str, list[list[dict]]]:
+    """Each mode's runs in `out` with metrics (its seeds, in order), modes in MODES order."""
+    found = {m: sorted(out.glob(f"{m}-seed*/metrics.jsonl")) for m in MODES}
+    return {m: [read(path.parent) for path in paths] for m, paths in found.items() if paths}
 
 
 def read(path: pathlib.Path) -> list[dict]:
@@ -139,15 +148,15 @@ def summarize_mode(runs: list[list[dict]]) -> dict:
     }
 
 
-TIMES = ("rollout_time", "score_time", "train_time", "transfer_time", "step_time")
+TIMES = ("rollout_time", "score_time", "pack_time", "train_time", "transfer_time", "step_time")
 
 
-def summarize(out: pathlib.Path, seeds, modes) -> dict:
-    """The table's figures by mode, and the ratios the experiment is for."""
-    table = {m: summarize_mode([read(run_dir(out, m, s)) for s in seeds]) for m in modes}
+def summarize(runs: dict[str, list[list[dict]]]) -> dict:
+    """The table's figures by mode (`runs_of`), and the ratios the experiment is for."""
+    table = {m: summarize_mode(mode_runs) for m, mode_runs in runs.items()}
     if "none" in table:
         base = table["none"]
-        for m in modes:
+        for m in table:
             row = table[m]
             row["rollout_speedup"] = base["rollout_time"] / row["rollout_time"]
             row["step_speedup"] = base["step_time"] / row["step_time"]
@@ -177,7 +186,7 @@ PANELS = (
 )
 
 
-def plot(out: pathlib.Path, seeds, modes) -> pathlib.Path:
+def plot(out: pathlib.Path, runs: dict[str, list[list[dict]]]) -> pathlib.Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,11 +194,10 @@ def plot(out: pathlib.Path, seeds, modes) -> pathlib.Path:
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for ax, (key, title, shown) in zip(axes, PANELS, strict=True):
-        for mode in (m for m in modes if m in shown):
-            runs = [read(run_dir(out, mode, s)) for s in seeds]
-            n = min(map(len, runs))
-            values = np.asarray([[r[key] for r in run[:n]] for run in runs])
-            ax.plot(np.arange(n), values.mean(0), label=f"{mode} ({len(runs)} seeds)")
+        for mode in (m for m in runs if m in shown):
+            n = min(map(len, runs[mode]))
+            values = np.asarray([[r[key] for r in run[:n]] for run in runs[mode]])
+            ax.plot(np.arange(n), values.mean(0), label=f"{mode} ({len(runs[mode])} seeds)")
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
@@ -204,11 +212,12 @@ def main(argv=None):
     args = parse_args(argv)
     with trainer.resumable(print):
         run_all(args)
-    table = summarize(args.out, args.seeds, args.modes)
+    runs = runs_of(args.out)
+    table = summarize(runs)
     (args.out / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(table))
     print(markdown(table), flush=True)
-    print(f"wrote {args.out / 'summary.json'}, {plot(args.out, args.seeds, args.modes)}")
+    print(f"wrote {args.out / 'summary.json'}, {plot(args.out, runs)}")
 
 
 if __name__ == "__main__":

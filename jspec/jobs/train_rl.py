@@ -27,8 +27,8 @@ and scores only the rows its devices hold (`jspec.hosts`); process 0 writes metr
 every process takes part in each orbax checkpoint (the run directory must be shared).
 
 Writes to --run-dir (default runs/<config>-<draft> in the working directory): metrics.jsonl (one
-line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s, rollout
-/ scoring / train / weight transfer / step time, the lag of the batch's weights in steps),
+line per RL step: reward, losses, draft agreement, mean accepted length, rollout tokens/s, rollout /
+scoring / packing / train / weight transfer / step time, the lag of the batch's weights in steps),
 TensorBoard events when tensorboardX is installed, and checkpoints/ (async, every rl.save_every
 steps and at the last, with the config beside; `jspec.jobs.trainer`, shared with train_code_lm).
 Run again to resume from the latest checkpoint. A run that completes writes export/: the policy in
@@ -370,9 +370,10 @@ def finish_rollout(run: Run, job: InFlight):
     score_start = time.perf_counter()
     responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
     rewards = tasks.rewards(rl.task, job.step, job.group, responses)
-    score_time = time.perf_counter() - score_start
-    advantages = np.asarray(grpo.group_advantages(rewards, rl.group_size))
+    pack_start = time.perf_counter()
+    advantages = grpo.group_advantages(rewards, rl.group_size)
     packed, rows = run.pack(job.prompts, job.prompt_lengths, tokens, lengths, logprobs, advantages)
+    batch = run.put(packed, mine.start, rows)
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
     all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
@@ -391,7 +392,8 @@ def finish_rollout(run: Run, job: InFlight):
         "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
         "rollout_time": seconds,
         "verify_steps": int(np.max(stats.iterations)),  # loop trips: the rollout's longest chain
-        "score_time": score_time,
+        "score_time": pack_start - score_start,
+        "pack_time": time.perf_counter() - pack_start,  # advantages, packing, to the devices
         "lag": job.step - job.version,
         "rollout_programs": compiled_programs(),  # one per tree chosen (buckets are stages)
         "task": f"{name}:{difficulty}" + (f"-{difficulty + rl.task.spread}" * bool(rl.task.spread)),
@@ -405,7 +407,7 @@ def finish_rollout(run: Run, job: InFlight):
         {"step": job.step, "reward": float(rewards[i]), "response": responses[i]}
         for i in range(0, min(len(responses), 2 * rl.group_size), rl.group_size)
     ]
-    return run.put(packed, mine.start, rows), metrics, shown
+    return batch, metrics, shown
 
 
 def start_or_resume(run: Run, loop: trainer.TrainLoop, log):

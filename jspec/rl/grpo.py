@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 
-def group_advantages(
-    rewards: Float[Array, " b"], group_size: int, eps: float = 1e-6
-) -> Float[Array, " b"]:
+def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
     """(r - group mean) / (group std + eps) over consecutive groups of `group_size` responses to
-    one prompt; a group whose responses all score the same gets 0."""
-    r = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
+    one prompt; a group whose responses all score the same gets 0. On the host, where the
+    rewards are: a few eager device operations would cost more than the arithmetic."""
+    r = np.asarray(rewards, np.float32).reshape(-1, group_size)
     centred = r - r.mean(axis=1, keepdims=True)
     return (centred / (r.std(axis=1, keepdims=True) + eps)).reshape(-1)
 

@@ -121,6 +121,24 @@ def test_optimizer_moments_are_placed_as_their_parameters():
         assert len(twins) >= 2, (param.shape, param.sharding)
 
 
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_policy_and_draft_learning_rates_warm_up_over_warmup_steps(warmup):
+    """With rl.warmup_steps the first update of a fresh optimizer moves no weight and step k's
+    moves each by k / warmup_steps of the learning rate (Adam's normalised step is about 1 a
+    weight under a constant gradient); without, every step moves by the full rate."""
+    rl = dataclasses.replace(RL, warmup_steps=warmup, draft_learning_rate=2e-3)
+    tx = optimizer(rl, ("policy", "draft"), 1e-3)
+    params = {"policy": {"w": jnp.ones(3)}, "draft": {"w": jnp.ones(3)}}
+    grads = jax.tree.map(lambda x: 0.01 * x, params)  # under both clipping norms
+    state = tx.init(params)
+    for k in range(6):
+        updates, state = tx.update(grads, state, params)
+        share = min(k / warmup, 1.0) if warmup else 1.0
+        for group, rate in (("policy", 1e-3), ("draft", 2e-3)):
+            moved = -np.asarray(updates[group]["w"]) / rate  # weight decay: 1e-4 of a weight
+            np.testing.assert_allclose(moved, share, atol=2e-3 * share + 1e-6)
+
+
 def test_draft_adds_only_its_own_dot_operations():
     """dots(step with draft) = dots(step without) + dots(draft loss and its gradient)."""
     batch = packed(align=2)

@@ -179,6 +179,7 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+COLORS = {"none": "C0", "frozen": "C1", "cotrain": "C2"}  # a mode's colour in every panel
 PANELS = (
     ("accepted_length", "mean accepted length", ("frozen", "cotrain")),
     ("reward", "reward", MODES),
@@ -197,7 +198,8 @@ def plot(out: pathlib.Path, runs: dict[str, list[list[dict]]]) -> pathlib.Path:
         for mode in (m for m in runs if m in shown):
             n = min(map(len, runs[mode]))
             values = np.asarray([[r[key] for r in run[:n]] for run in runs[mode]])
-            ax.plot(np.arange(n), values.mean(0), label=f"{mode} ({len(runs[mode])} seeds)")
+            seeds = f"{len(runs[mode])} seed" + "s" * (len(runs[mode]) > 1)
+            ax.plot(np.arange(n), values.mean(0), color=COLORS[mode], label=f"{mode} ({seeds})")
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

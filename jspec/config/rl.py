@@ -69,9 +69,13 @@ class RLConfig:
     spread evenly over each data shard's, rounded up to a multiple of the data shards): the
     draft's passes cost a share of the policy's that grows as the policy is shallower, and a
     subset of each step's fresh rollouts bounds it.
-    Policy and draft have their own learning rate and gradient clipping. Every `samples_every`
-    steps (0: never) the first response of each of the step's first two groups goes with its
-    reward to RUN_DIR/samples.jsonl: what the policy writes, to read beside the metrics.
+    Policy and draft have their own learning rate and gradient clipping, each reached by a linear
+    warmup from 0 over `warmup_steps` of the warm start and again of RL: the optimizer's moments
+    start from 0 in each, and Adam's first updates (about the learning rate on every weight,
+    whatever the gradient's size) would otherwise jolt a policy and draft that are already trained.
+    Every `samples_every` steps (0: never) the first response of each of the step's first two groups
+    goes with its reward to RUN_DIR/samples.jsonl: what the policy writes, to read beside the
+    metrics.
     `kl_coef` > 0 keeps a frozen reference policy (after the SFT warm start).
 
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
@@ -111,6 +115,7 @@ class RLConfig:
     sft_learning_rate: float = 3e-3
     draft_learning_rate: float = 1e-3
     max_grad_norm: float = 1.0
+    warmup_steps: int = 0
     draft_max_grad_norm: float = 1.0
     clip_epsilon: float = 0.2
     kl_coef: float = 0.0
@@ -148,6 +153,7 @@ class RLConfig:
             "ttt_steps",
             "save_every",
             "samples_every",
+            "warmup_steps",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")

@@ -92,16 +92,19 @@ class Networks:
 class Group(NamedTuple):
     """One parameter group of `adamw`: its (peak) learning rate, the global norm its gradients are
     clipped to, its weight decay, and the steps of its warmup-cosine schedule (None: a constant
-    learning rate; else a linear warmup from 0 over the first 1/20 of the steps, at least one,
-    then a cosine decay to 0 at the last)."""
+    learning rate after `warmup_steps` of a linear warmup from 0; else a linear warmup from 0 over
+    the first 1/20 of the steps, at least one, then a cosine decay to 0 at the last)."""
 
     learning_rate: float
     max_grad_norm: float
     weight_decay: float = 1e-4  # optax.adamw's default
     schedule_steps: int | None = None
+    warmup_steps: int = 0
 
     def rate(self):
         """The learning rate: a float, or the schedule over the steps."""
+        if self.schedule_steps is None and self.warmup_steps:
+            return optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
         if self.schedule_steps is None:
             return self.learning_rate
         warmup = max(self.schedule_steps // 20, 1)
@@ -126,10 +129,12 @@ def adamw(groups: dict[str, Group]):
 def optimizer(rl: RLConfig, trained: tuple[str, ...], policy_learning_rate: float):
     """`adamw` of an RL run's trained groups: the policy's at `policy_learning_rate` (the warm
     start's or RL's) clipped to rl.max_grad_norm, the draft's at rl.draft_learning_rate clipped to
-    rl.draft_max_grad_norm."""
+    rl.draft_max_grad_norm, each reached after rl.warmup_steps."""
     groups = {
-        "policy": Group(policy_learning_rate, rl.max_grad_norm),
-        "draft": Group(rl.draft_learning_rate, rl.draft_max_grad_norm),
+        "policy": Group(policy_learning_rate, rl.max_grad_norm, warmup_steps=rl.warmup_steps),
+        "draft": Group(
+            rl.draft_learning_rate, rl.draft_max_grad_norm, warmup_steps=rl.warmup_steps
+        ),
     }
     return adamw({name: groups[name] for name in trained})
 

@@ -269,3 +269,15 @@ def test_draft_vocabulary_of_the_most_frequent_tokens():
     )
     logits = draft.to_target_vocab(jnp.array([[1.0, 2.0, 3.0]]))
     np.testing.assert_array_equal(logits[0], [-np.inf, -np.inf, 1.0, 2.0, -np.inf, 3.0])
+
+
+def test_rollout_copy_of_a_whole_vocabulary_draft_gives_its_logits_in_target_order():
+    """A draft of the whole vocabulary, in any order of target ids: its rollout copy puts the
+    head's rows in target order, so its logits need no scatter, and they are the original's."""
+    target = ModelConfig(vocab_size=6, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=1)
+    draft = create_eagle3(Eagle3Config.for_target(target), target_ids=[3, 0, 5, 1, 4, 2])
+    rollout = draft.for_rollout()
+    assert rollout.target_order and not draft.target_order
+    hidden = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    logits = lambda d: d.to_target_vocab(d.draft_logits(hidden))
+    close(logits(rollout), logits(draft), rtol=1e-6)

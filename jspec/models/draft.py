@@ -209,6 +209,9 @@ class Eagle3Draft(nnx.Module):
                 f"target id per draft token: ({config.draft_vocab_size},)."
             )
         self.target_ids = VocabMap(jnp.asarray(target_ids, jnp.int32), axes=(None,))
+        # True in a `for_rollout` copy whose head's rows are in target-id order: its logits are
+        # already over the target vocabulary.
+        self.target_order = False
         # Set by `for_rollout` in place of wq, wk, wv and of w_gate, w_up.
         self.w_qkv, self.w_gate_up = nnx.data(None), nnx.data(None)
 
@@ -249,6 +252,8 @@ class Eagle3Draft(nnx.Module):
 
     def to_target_vocab(self, logits_d: Float[Array, "*b vd"]) -> Float[Array, "*b v"]:
         """Draft-vocabulary logits placed at their target ids; -inf at every other target id."""
+        if self.target_order:
+            return logits_d
         v = self.config.layer.vocab_size
         full = jnp.full((*logits_d.shape[:-1], v), -jnp.inf, jnp.float32)
         return full.at[..., self.target_ids[...]].set(logits_d)
@@ -315,12 +320,21 @@ class Eagle3Draft(nnx.Module):
     def for_rollout(self) -> Eagle3Draft:
         """A copy of this draft for a loop of rollout steps: its input products fused as the
         target's are (`fuse_products`: two products instead of five, each step drafts one to a
-        few times), its weights cast to the compute dtype once (`rollout_weights`)."""
+        few times), its weights cast to the compute dtype once (`rollout_weights`), and, when it
+        drafts the whole target vocabulary, its head in target order (`target_order`)."""
         constrain = lambda x, names: mesh_lib.constrain(x, self.mesh, names)
         # q/k/v read [embedding, hidden state] (2D), which the mesh does not split
         draft = layers.fuse_products(nnx.merge(*nnx.split(self)), constrain, input_axis=None)
         graphdef, state = nnx.split(draft)
-        return nnx.merge(graphdef, layers.rollout_weights(state, self._dtype))
+        draft = nnx.merge(graphdef, layers.rollout_weights(state, self._dtype))
+        if self.config.draft_vocab_size == self.config.layer.vocab_size:
+            # Every target token is drafted: the head's rows put in target-id order once, so
+            # that no tree step scatters its logits into the target vocabulary.
+            ids = draft.target_ids[...]
+            draft.lm_head[...] = draft.lm_head[...][jnp.argsort(ids)]
+            draft.target_ids[...] = jnp.arange(ids.shape[0], dtype=ids.dtype)
+            draft.target_order = True
+        return draft
 
     # -- internals -----------------------------------------------------------------------------
 

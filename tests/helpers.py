@@ -13,6 +13,8 @@ from flax import nnx
 from jax.scipy.special import gammaincc
 
 from jspec.jobs import train_rl, trainer
+from jspec.models.draft import Shared
+from jspec.rl.draft_loss import draft_passes
 
 
 def close(got, want, rtol=1e-5):
@@ -58,24 +60,25 @@ def noisy_copy(model, scale: float, seed: int = 0):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
 
 
-def distill_eagle3(target, draft, sequences, lengths, steps: int, learning_rate: float = 1e-2):
-    """Trains an EAGLE-3 draft's first step on the target's greedy choices over `sequences`
-    (right-padded rows of `lengths` tokens): draft position t (target taps at t, embedding of
-    token t + 1) learns the target's argmax at t + 1. Returns the trained draft."""
+def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: float = 1e-2):
+    """Trains a one-layer draft's first step (EAGLE-3 or an MTP head) on the target's greedy
+    choices over `sequences` (right-padded rows of `lengths` tokens): draft position t (the
+    target's features at t, embedding of token t + 1) learns the target's argmax at t + 1, by the
+    draft loss's own trunk pass (`draft_passes`). Returns the trained draft."""
     b, t = sequences.shape
-    valid = jnp.arange(t) < jnp.asarray(lengths)[:, None]
-    logits, taps = target(sequences, valid.astype(jnp.int32), taps=True)
-    labels = jnp.argmax(logits[:, 1:], axis=-1)
-    embeds = target.embed[...][sequences[:, 1:]]
-    mask = valid[:, 1:]
-    seg = mask.astype(jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
+    seg = (jnp.arange(t) < jnp.asarray(lengths)[:, None]).astype(jnp.int32)
+    logits, features = target(sequences, seg, features=draft.features)
+    labels = jnp.argmax(jnp.roll(logits, -1, axis=1), axis=-1)  # the target's choice at t + 1
+    mask = (seg * jnp.roll(seg, -1, axis=1)).astype(bool).at[:, -1].set(False)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    shared = Shared.of(target)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
     optimizer = optax.adam(learning_rate)
 
     def loss(params):
-        draft_logits, _ = nnx.merge(graphdef, params, rest)(embeds, taps[:, :, :-1], seg, pos)
-        full = nnx.merge(graphdef, params, rest).to_target_vocab(draft_logits)
+        d = nnx.merge(graphdef, params, rest)
+        (hidden,) = draft_passes(d, shared, features, sequences, seg, pos, steps=0)
+        full = d.to_target_vocab(d.draft_logits(hidden, shared))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(full), labels[..., None], -1)[..., 0]
         return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
 

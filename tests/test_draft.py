@@ -279,5 +279,5 @@ def test_rollout_copy_of_a_whole_vocabulary_draft_gives_its_logits_in_target_ord
     rollout = draft.for_rollout()
     assert rollout.target_order and not draft.target_order
     hidden = jax.random.normal(jax.random.key(0), (2, 3, 16))
-    logits = lambda d: d.to_target_vocab(d.draft_logits(hidden))
+    logits = lambda d: d.to_target_vocab(d.draft_logits(hidden, None))
     close(logits(rollout), logits(draft), rtol=1e-6)

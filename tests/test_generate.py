@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import chi_square_p_value, distill_eagle3, noisy_copy
+from helpers import chi_square_p_value, distill_draft, noisy_copy
 from jax import monitoring
 
 import jspec.sampler.acceptance as acceptance
@@ -29,6 +29,7 @@ from jspec.config import (
 from jspec.mesh import make_mesh
 from jspec.models import Transformer, create
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft, create_eagle3
+from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.sampler import generate, sampling_probs
 
 CONFIG = ModelConfig(
@@ -84,9 +85,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def setup(target):
-    """A target, two partly agreeing drafts, 8 test prompts, an EOS id, and plain greedy output."""
+    """A target, three partly agreeing drafts, 8 test prompts, an EOS id, and plain greedy
+    output."""
     prompts, lengths = random_prompts(8, 5, seed=1)
-    # The EAGLE-3 draft learns the target's greedy continuations of these prompts and 120 others.
+    # EAGLE-3 and MTP drafts learn the target's greedy continuations of these prompts and 120 more.
     more, more_lengths = random_prompts(120, 5, seed=2)
     train_prompts = jnp.concatenate([prompts, more])
     train_lengths = jnp.concatenate([lengths, more_lengths])
@@ -95,9 +97,13 @@ def setup(target):
     host = [np.asarray(x) for x in (train_prompts, train_lengths, data.tokens)]
     for p, n, g in zip(*host, strict=True):
         rows.append(np.concatenate([p[:n], g, np.zeros(5 - n, np.int32)]))
-    eagle = create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)
-    eagle = distill_eagle3(target, eagle, jnp.asarray(np.stack(rows)), train_lengths + NEW, 200)
-    drafts = {"eagle3": eagle, "external": ExternalDraft(noisy_copy(target, 0.1))}
+    rows = jnp.asarray(np.stack(rows))
+    distill = lambda d: distill_draft(target, d, rows, train_lengths + NEW, 200)
+    drafts = {
+        "eagle3": distill(create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)),
+        "mtp": distill(create_mtp(MTPConfig.for_target(CONFIG), seed=0)),
+        "external": ExternalDraft(noisy_copy(target, 0.1)),
+    }
     eos = most_staggered_eos(data.tokens[:8])
     plain = generate(target, None, prompts, lengths, jax.random.key(0), greedy(eos_id=eos))
     assert len(set(np.asarray(plain.lengths).tolist())) >= 3 and max(plain.lengths) == NEW
@@ -107,7 +113,7 @@ def setup(target):
 
 
 @pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("kind", ["eagle3", "external"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "external"])
 def test_greedy_speculative_equals_plain(setup, kind, tree):
     s = setup
     config = greedy(eos_id=s["eos"], tree=TREES[tree])
@@ -316,6 +322,15 @@ def sample_codes(small, case, seed=0, trials=TRIALS, speculative=True):
 @pytest.mark.parametrize("case", LOSSLESS)
 def test_speculative_sampling_is_lossless(small, case):
     check_lossless(small, LOSSLESS[case], TRIALS)
+
+
+def test_sampling_with_an_mtp_head_is_lossless(small):
+    """A random MTP head (its feature the target's final hidden state, its head the target's)
+    drafting a sampled chain at temperature 1."""
+    target = small[0]
+    head = create_mtp(MTPConfig.for_target(SMALL), seed=2)
+    case = dict(temperature=1.0, top_p=1.0, tree=TreeConfig(kind="chain", depth=2, sampled=True))
+    check_lossless((target, head), case, TRIALS)
 
 
 def test_lossless_through_the_pallas_decode_kernel(small):

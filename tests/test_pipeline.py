@@ -63,7 +63,7 @@ def loss_fn(graphdef, rest, taps: bool):
     """Mean squared logits, and the taps (detached) when asked: (loss, taps)."""
 
     def loss(params):
-        out = nnx.merge(graphdef, params, rest)(TOKENS, taps=taps)
+        out = nnx.merge(graphdef, params, rest)(TOKENS, features="taps" if taps else None)
         logits, tapped = out if taps else (out, None)
         return jnp.mean(logits**2), jax.lax.stop_gradient(tapped)
 

@@ -1,12 +1,14 @@
 """The planner: its activation figure is the memory a CPU run of the same train step takes, it
-reads meshes and reports clearly, the README shows a report it prints today, and a mixture of
-experts' report states what its figures assume.
+reads meshes and reports clearly, the README shows a report it prints today, a mixture of
+experts' report states what its figures assume, and `--topology` compiles for a TPU slice with
+XLA's TPU compiler on this CPU (libtpu: in the test extra; without it those tests skip).
 
 The run is measured in a fresh process with one CPU device, glibc told to return every large
 block to the system when freed (MALLOC_MMAP_THRESHOLD_), so the resident set size follows the live
 buffers; a thread samples it while the step runs.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -196,3 +198,76 @@ def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env)
     assert plan.moe_assumptions(cfg)[0].startswith(
         "mixture of experts: 16 of 128 experts per device (split over data x context, 8 devices)"
     )
+    # A TPU compile's grouped matmuls are the TPU compiler's: no note on the CPU's copies.
+    tpu = plan.moe_assumptions(cfg, "tpu")
+    assert tpu == plan.moe_assumptions(cfg)[:2] and "CPU" not in "".join(tpu)
+
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu (XLA's TPU compiler) is not installed: pip install -e '.[test,tpu]'",
+)
+
+
+@needs_libtpu
+def test_a_topology_compiles_both_programs_with_the_tpu_compiler(capsys, planner_env):
+    """The tiny config without a draft: an EAGLE-3 draft's co-training adds some 15 s of the TPU
+    compiler's time, and its programs compile for a slice alike (the docs' Qwen3-8B report)."""
+    argv = ["--config", "tiny", "--mesh", "data=2,tensor=2", "--seq-len", "128"]
+    result = plan.main([*argv, "rollout.max_new_tokens=16", "--topology", "v5e:2x2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"TPU compile (XLA TPU compiler of jax {jax.__version__} for topology v5e:2x2, "
+        "4 chips of TPU v5 lite) of tiny"
+    )
+    assert lines[1].endswith("device memory 16 GB"), lines[1]  # a v5e chip's HBM
+    assert result.platform == "tpu" and result.device_kind == "TPU v5 lite" and result.chips == 4
+    assert result.parameters > 0 and result.optimizer > 0
+    # The train step's arguments are the state: the compiler's figure holds our count of it.
+    assert result.train.arguments >= result.parameters + result.optimizer
+    assert result.train.peak > result.parameters + result.optimizer
+    assert result.rollout.peak > result.rollout.arguments >= result.parameters
+    assert result.train.flops > 0 and result.rollout.flops > 0
+
+
+@needs_libtpu
+def test_a_mesh_that_does_not_fit_the_slice_is_refused_before_compiling(monkeypatch, planner_env):
+    """A v4 chip is two devices (its cores), so v4:2x2x1's 4 chips are 8 devices to the mesh."""
+
+    def compiled(*_):
+        raise AssertionError("compiling began")
+
+    monkeypatch.setattr(plan, "abstract_networks", compiled)
+    argv = ["--config", "tiny", "--mesh", "data=4", "--topology", "v4:2x2x1"]
+    message = (
+        r"mesh .* has 4 positions, the TPU slice has 8 devices \(4 chips of TPU v4, 2 devices "
+        r"each\); pass a --mesh whose sizes multiply to 8, e.g. --mesh data=8"
+    )
+    with pytest.raises(config_lib.ConfigError, match=message):
+        plan.main(argv)
+
+
+@needs_libtpu
+def test_a_tpu_device_has_its_chip_s_memory_unless_told(planner_env):
+    v4 = plan.topology_devices("v4:2x2x1")
+    assert plan.device_memory(v4, None, "v4:2x2x1") == 16.0  # 32 GB a chip, two devices
+    assert plan.device_memory(v4, 20.0, "v4:2x2x1") == 20.0  # --memory wins
+    v5p = plan.topology_devices("v5p:2x2x1")
+    assert plan.device_memory(v5p, None, "v5p:2x2x1") == 95.0
+    assert plan.device_memory(jax.devices("cpu"), None, None) == 141.0  # an H200's
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", ["v5p-16", "tpu9:2x2", "v5p:3x3x3"])
+def test_a_topology_libtpu_does_not_know_is_a_clear_error(name, planner_env):
+    argv = ["--config", "tiny", "--mesh", "data=4", "--topology", name]
+    with pytest.raises(config_lib.ConfigError, match=rf"--topology '{name}': libtpu does not know"):
+        plan.main(argv)
+
+
+def test_a_topology_without_libtpu_names_the_install(monkeypatch, planner_env):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # find_spec then finds no libtpu
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    argv = ["--config", "tiny", "--mesh", "data=4", "--topology", "v5p:2x2x1"]
+    with pytest.raises(config_lib.ConfigError, match=r"v5p:2x2x1.*pip install -e '\.\[tpu\]'"):
+        plan.main(argv)

@@ -29,8 +29,9 @@ from jspec.config import (
     TreeConfig,
 )
 from jspec.jobs import train_rl
-from jspec.models import create
-from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.models import create, hf, hf_mtp
+from jspec.models.draft import Eagle3Config, Shared, create_eagle3
+from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.rl import packing
 from jspec.rl.draft_loss import draft_loss, draft_passes
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
@@ -49,39 +50,48 @@ def packed(align: int) -> packing.PackedBatch:
     return jax.tree.map(jnp.asarray, batch)
 
 
-def networks(mesh, draft=True):
+DRAFTS = {  # the co-trained draft kinds, for MODEL
+    "eagle3": lambda mesh: create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1),
+    "mtp": lambda mesh: create_mtp(MTPConfig.for_target(MODEL), mesh=mesh, seed=1),
+}
+
+
+def networks(mesh, draft: str | None = "eagle3"):
     policy = create(MODEL, mesh=mesh, seed=0)
-    eagle = create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1) if draft else None
-    return Networks.split(policy, eagle, mesh)
+    return Networks.split(policy, draft and DRAFTS[draft](mesh), mesh)
 
 
-def test_training_time_test_passes_are_the_draft_at_inference():
-    """Pass i's hidden state at t is the draft's at depth i of a chain rooted after token t + 1:
-    the branch K/V, anchors, parents, positions and input shifts of the TTT match inference."""
-    target, draft = create(MODEL, seed=0), create_eagle3(Eagle3Config.for_target(MODEL), seed=1)
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_training_time_test_passes_are_the_draft_at_inference(kind):
+    """Pass i's hidden state at t is the draft's at depth i of a chain rooted after token t + 1,
+    and pass 0's logits are the root's: the branch K/V, anchors, parents, positions and input
+    shifts of the TTT match inference, in the rollout copy (products fused, weights cast once)."""
+    target, draft = create(MODEL, seed=0), DRAFTS[kind](None)
     tokens = jnp.asarray(random_rollouts(1, 12, 1, MODEL.vocab_size)[0])
-    _, taps = target(tokens, taps=True)
-    embed = target.embed[...]
+    _, features = target(tokens, features=draft.features)
+    shared = Shared.of(target)
     seg, pos = jnp.ones_like(tokens), jnp.arange(12)[None]
-    passes = jax.jit(draft_passes, static_argnums=6)(draft, embed, taps, tokens, seg, pos, 2)
-    t = 5
-    root = draft.prefill(
-        embed,
+    passes = jax.jit(draft_passes, static_argnums=6)(draft, shared, features, tokens, seg, pos, 2)
+    t, rollout = 5, draft.for_rollout()
+    root = rollout.prefill(
+        shared,
         tokens[:, : t + 1],
         jnp.array([t + 1]),
         tokens[:, t + 1],
-        taps[:, :, : t + 1],
-        draft.init_cache(1, 16),
+        features[:, :, : t + 1],
+        rollout.init_cache(1, 16),
     )
-    close(root.hidden[0], passes[0][0, t])
-    tree, hidden, parent = draft.empty_tree(1, 2), root.hidden[:, None], jnp.array([[-1]])
+    close(root.hidden[0], passes[0][0, t], rtol=1e-4)
+    logits = draft.from_target_vocab(root.logits)  # -inf outside the draft vocabulary
+    close(logits[0], draft.draft_logits(passes[0], shared)[0, t], rtol=1e-4)
+    tree, hidden, parent = rollout.empty_tree(1, 2), root.hidden[:, None], jnp.array([[-1]])
     for depth in (1, 2):
         token = tokens[:, t + 1 + depth][:, None]
-        _, hidden, k, v, anchor = draft.tree_step(
-            embed, token, hidden, depth, parent, root.cache, tree
+        _, hidden, k, v, anchor = rollout.tree_step(
+            shared, token, hidden, depth, parent, root.cache, tree
         )
         tree, parent = tree.add(k, v, anchor, parent, depth - 1), jnp.array([[depth - 1]])
-        close(hidden[0, 0], passes[depth][0, t])
+        close(hidden[0, 0], passes[depth][0, t], rtol=1e-4)
 
 
 @functools.cache
@@ -139,33 +149,36 @@ def test_policy_and_draft_learning_rates_warm_up_over_warmup_steps(warmup):
             np.testing.assert_allclose(moved, share, atol=2e-3 * share + 1e-6)
 
 
-def test_draft_adds_only_its_own_dot_operations():
-    """dots(step with draft) = dots(step without) + dots(draft loss and its gradient)."""
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_draft_adds_only_its_own_dot_operations(kind):
+    """dots(step with draft) = dots(step without) + dots(draft loss and its gradient): the draft
+    (an EAGLE-3 draft on the taps, an MTP head on the final hidden state) reads the policy's one
+    forward and never runs the trunk again."""
     batch = packed(align=2)
     rl = dataclasses.replace(RL, ttt_steps=2)
 
-    def step_dots(draft: bool):
+    def step_dots(draft: str | None):
         nets, params = networks(None, draft)
-        trained = trained_groups("cotrain", draft)
+        trained = trained_groups("cotrain", draft is not None)
         tx = optimizer(rl, trained, 1e-3)
         state = init_state(nets, params, tx, trained, seed=0, reference=False)
         step = make_train_step(nets, tx, trained, rl, ROLLOUT, num_sequences=8)
         return count_dots(jax.make_jaxpr(step)(state, batch)), nets, params
 
-    without, _, _ = step_dots(False)
-    with_draft, nets, params = step_dots(True)
-    policy, _ = nets.models(params)
+    without, _, _ = step_dots(None)
+    with_draft, nets, params = step_dots(kind)
+    policy, draft = nets.models(params)
     logits, taps = jax.eval_shape(
-        lambda: policy(batch.tokens, batch.segment_ids, batch.positions, taps=True)
+        lambda: policy(batch.tokens, batch.segment_ids, batch.positions, features=draft.features)
     )
 
-    def own(draft_params, embed, taps, logits):
+    def own(draft_params, shared, taps, logits):
         draft = nets.draft.merge(draft_params)
         rows = (batch.tokens, batch.segment_ids, batch.positions, batch.response)
         ttt = dict(steps=rl.ttt_steps, decay=rl.ttt_decay, temperature=ROLLOUT.temperature)
-        return draft_loss(draft, embed, taps, logits, *rows, **ttt, chunk=rl.loss_chunk).loss
+        return draft_loss(draft, shared, taps, logits, *rows, **ttt, chunk=rl.loss_chunk).loss
 
-    jaxpr = jax.make_jaxpr(jax.grad(own))(params["draft"], policy.embed[...], taps, logits)
+    jaxpr = jax.make_jaxpr(jax.grad(own))(params["draft"], Shared.of(policy), taps, logits)
     draft_dots = count_dots(jaxpr)
     assert draft_dots > 0 and without > 0
     assert with_draft == without + draft_dots, (with_draft, without, draft_dots)
@@ -187,6 +200,20 @@ def test_grpo_steps_raise_the_better_completions_and_lower_the_worse(tmp_path, c
     is too noisy at this size to show learning in a test's steps)."""
     _, updates = recorded_loop(tmp_path, cache, "rl.steps=3", "rl.sft_steps=60")
     assert_updates_follow_rewards(updates)
+
+
+def test_an_mtp_head_co_trains_and_ships_with_the_policy(tmp_path, cache):
+    """rollout.draft.kind=mtp: the warm start teaches a fresh head (whose top-1 agreement with
+    the policy is about 1 in the 512 ids of the vocabulary) to agree often, RL keeps it agreeing,
+    and the export carries it beside the policy, in MiMo's layout."""
+    metrics = loop(tmp_path, cache, "rl.steps=6", "rl.sft_steps=40", "rollout.draft.kind=mtp")
+    agreement = [m["agreement"] for m in metrics]
+    assert agreement[0] > 0.1, agreement
+    assert np.mean(agreement[-3:]) >= agreement[0], agreement
+    assert all(m["accepted_length"] > 1.2 for m in metrics), metrics
+    policy = tmp_path / "export" / "policy"
+    head = hf_mtp.load(policy, hf.load(policy).config)
+    assert head.features == "final"
 
 
 def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, capsys):

@@ -21,7 +21,7 @@ from jspec import tokenizers
 from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError
 from jspec.jobs import train_code_lm, trainer
-from jspec.models import hf, hf_eagle3
+from jspec.models import hf, hf_eagle3, hf_mtp
 
 ARGS = (
     "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
@@ -96,6 +96,19 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     assert policy == whole / "target" and tokenizer.eos_id == tokenizer.vocab_size - 1 == 511
 
 
+def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
+    """--draft-kind mtp: the draft stage trains an MTP head on the frozen target, and mtp/ is the
+    target again with its head in MiMo's layout: a policy RL and serving engines load whole."""
+    train_code_lm.main([*ARGS, "--draft-kind", "mtp", "--run-dir", str(tmp_path)])
+    shipped, target = hf.load(tmp_path / "mtp"), hf.load(tmp_path / "target")
+    np.testing.assert_array_equal(shipped.embed[...], target.embed[...])
+    head = hf_mtp.load(tmp_path / "mtp", target.config)
+    assert head.features == "final" and not (tmp_path / "draft").exists()
+    assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert 0 <= report["draft_top1_agreement"] <= 1
+
+
 def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--data-parallel=3 .* --batch=2"):
         train_code_lm.main([*ARGS, "--data-parallel", "3", "--run-dir", str(tmp_path)])
@@ -110,7 +123,7 @@ def test_a_stage_checkpoint_heals_is_checked_against_the_flags_and_stops(tmp_pat
 
     def loop(*flags):
         args = train_code_lm.parse_args([*ARGS, *flags, "--run-dir", str(tmp_path)])
-        target = train_code_lm.stages(args, None, tmp_path)[0]
+        target = train_code_lm.stages(args, model, None, tmp_path)[0]
         return train_code_lm.stage_loop(
             tmp_path, args, model, target, trainer.Limits.from_args(args)
         )

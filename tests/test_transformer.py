@@ -47,10 +47,10 @@ def fns(model):
     graphdef, state = nnx.split(model)
     m = lambda s: nnx.merge(graphdef, s)
     host = lambda f: lambda *a: jax.device_get(f(*a))  # index results in numpy, not eagerly
-    padded = host(jax.jit(lambda s, t, seg: m(s)(t, seg, taps=True)))
-    prefill = host(jax.jit(lambda s, t, c, n: m(s).prefill(t, c, n, taps=True)))
-    decode = host(jax.jit(lambda s, t, c: m(s).decode(t, c, taps=True)))
-    branch = host(jax.jit(lambda s, c, *a: m(s).branch_forward(c, *a, taps=True)))
+    padded = host(jax.jit(lambda s, t, seg: m(s)(t, seg, features="taps")))
+    prefill = host(jax.jit(lambda s, t, c, n: m(s).prefill(t, c, n, features="taps")))
+    decode = host(jax.jit(lambda s, t, c: m(s).decode(t, c, features="taps")))
+    branch = host(jax.jit(lambda s, c, *a: m(s).branch_forward(c, *a, features="taps")))
 
     def forward(seq):
         """Logits [T,V] and taps [3,T,D] of one sequence, from the training forward."""
@@ -195,6 +195,26 @@ def test_taps_are_layer_inputs(model, fns):
     _, taps = forward(seq)
     assert taps.shape == (3, 8, 64)
     np.testing.assert_array_equal(taps[0], model.embed[...][seq])  # tap layer 0: embeddings
+
+
+def test_final_feature_is_what_the_head_reads_on_every_path(model):
+    """features="final": the final-normed hidden state, the same from the training forward, a
+    prefill and a branch forward, and the logits are the output head applied to it."""
+    seq = tokens(8, 6)
+    logits, final = model(seq[None], features="final")
+    assert final.shape == (1, 1, 6, CONFIG.hidden_size)
+    close(logits, jnp.einsum("btd,vd->btv", final[0], model.head[...]))
+    _, cache, prefilled = model.prefill(seq[None, :4], model.init_cache(1, PAD), features="final")
+    close(prefilled, final[:, :, :4])
+    parent = np.array([[-1, 0]], np.int32)
+    branched = model.branch_forward(
+        cache, seq[None, 4:], np.array([[4, 5]]), np.array([[3, 3]]), parent, features="final"
+    )[3]
+    close(branched, final[:, :, 4:])
+    with pytest.raises(
+        ValueError, match=r"features='hidden' is not one of \(None, 'taps', 'final'\)"
+    ):
+        model(seq[None], features="hidden")
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])

@@ -69,7 +69,7 @@ def step_fn(taps: bool):
     from flax import nnx
 
     def loss(params, graphdef, rest, tokens):
-        out = nnx.merge(graphdef, params, rest)(tokens, taps=taps)
+        out = nnx.merge(graphdef, params, rest)(tokens, features="taps" if taps else None)
         logits, tapped = out if taps else (out, None)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))

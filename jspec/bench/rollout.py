@@ -56,7 +56,7 @@ from jspec.bench.timing import best_time, log, loop_seconds
 from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
 from jspec.models import create, hf, hf_eagle3
-from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.sampler import compile_generate, generate, generation
 from jspec.sampler.tree_choice import StepCosts, choose_tree
 from jspec.tokenizers import HFTokenizer
@@ -352,16 +352,16 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
     @jax.jit
     def run(model, draft, count):
         target, draft = model.for_rollout(), draft.for_rollout()
-        embed = target.embed[...]  # in the compute dtype (`for_rollout`)
+        shared = Shared.of(target)  # in the compute dtype (`for_rollout`)
         cache = target.init_cache(b, slots)
-        out = target.prefill(prompts, cache, lengths, taps=draft.uses_taps)
-        features = out[2] if draft.uses_taps else None
+        out = target.prefill(prompts, cache, lengths, features=draft.features)
+        features = out[2] if draft.features else None
         root_token, draft_cache = jnp.argmax(out[0], -1), draft.init_cache(b, slots)
-        root = draft.prefill(embed, prompts, lengths, root_token, features, draft_cache)
+        root = draft.prefill(shared, prompts, lengths, root_token, features, draft_cache)
 
         def body(i, acc):
             moved = root._replace(logits=root.logits + 0.0 * acc[:, None])
-            drafted = generation.propose(draft, embed, moved, jax.random.key(i), config)
+            drafted = generation.propose(draft, shared, moved, jax.random.key(i), config)
             return acc + drafted.tokens[:, 0].astype(jnp.float32)
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))

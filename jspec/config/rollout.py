@@ -8,7 +8,7 @@ from jspec.config.errors import ConfigError, choice
 from jspec.config.model import ModelConfig
 
 _TREE_KINDS = ("chain", "static", "dynamic")
-_DRAFT_KINDS = ("eagle3", "external", "none")
+_DRAFT_KINDS = ("eagle3", "mtp", "external", "none")
 _DECODE_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
@@ -95,8 +95,11 @@ class DraftConfig:
 
     kind 'eagle3': an EAGLE-3 head on the target's taps, from `path` (a checkpoint in the public
     EAGLE-3 layout) or randomly initialised with a draft vocabulary of `vocab_size` most frequent
-    tokens (0: the target's whole vocabulary). 'external': a small decoder sharing the target's
-    tokenizer, from `path` (a Hugging Face checkpoint) or randomly initialised as `model`.
+    tokens (0: the target's whole vocabulary). 'mtp': a multi-token-prediction head on the
+    target's final hidden state, sharing its embedding and output head, from `path` (a policy
+    directory holding its head in MiMo's layout, `jspec.models.hf_mtp`) or randomly initialised.
+    'external': a small decoder sharing the target's tokenizer, from `path` (a Hugging Face
+    checkpoint) or randomly initialised as `model`.
     'none': plain decoding. A loaded EAGLE-3 draft that carries its own copy of the target's
     embedding is refused when the copy differs from the target's (it was trained for another
     target), unless `allow_other_target`, which loads it with a warning.

@@ -25,13 +25,25 @@ takes, and a GPU compile of the same train step has measured 1.5-1.8x lower temp
 "The planner's report"). For a mixture of experts the report states what its figures assume:
 experts per device, the dropless dispatch's receive buffers, and the CPU's grouped matmuls, which
 copy their rows once per local expert where a Hopper GPU's kernels do not (an upper estimate).
+
+    python -m jspec.jobs.plan --config qwen3-8b-32k --topology v5p:2x2x2
+    python -m jspec.jobs.plan --config qwen3-8b-32k --topology v5p:4x4x4 --mesh data=8,tensor=8
+
+With `--topology GENERATION:SHAPE` (v5p:4x4x4, v4:2x2x2, v5e:4x4, v6e:4x4: the generation, then
+the chips along each axis of the slice) the programs are compiled by XLA's TPU compiler instead,
+still on this CPU: libtpu describes the slice's chips as compile-only devices, so no TPU is needed
+and none is touched. The figures are then the TPU compiler's own (though no TPU has run the
+programs); attention takes its XLA path there (the Pallas kernels are GPU-only). The device memory
+is the chip's HBM unless --memory says otherwise. It needs libtpu: `pip install -e '.[tpu]'`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
+import os
 import sys
 from typing import NamedTuple
 
@@ -52,6 +64,11 @@ from jspec.rl.train import make_train_step
 from jspec.sampler import rollout
 
 GB = 1e9
+H200_GB = 141.0  # the CPU estimate's default device memory
+# HBM per chip by the device kind libtpu reports. Google states these in GiB; read as GB (10^9
+# bytes, as the report counts) the verdict errs on the safe side by about 7%.
+CHIP_GB = {"TPU v4": 32.0, "TPU v5": 95.0, "TPU v5 lite": 16.0, "TPU v6 lite": 32.0}
+TOPOLOGIES = "v5p:4x4x4, v4:2x2x2, v5e:4x4, v6e:4x4"  # examples of the spelling libtpu accepts
 
 
 def parse_args(argv=None):
@@ -62,7 +79,21 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training row")
     p.add_argument("--rows", type=int, default=None, help="training rows (default: mesh.data)")
     p.add_argument("--rollout-batch", type=int, default=None, help="default: data * context")
-    p.add_argument("--memory", type=float, default=141.0, help="GB per device (H200: 141)")
+    p.add_argument(
+        "--memory",
+        type=float,
+        default=None,
+        help="GB per device (default: an H200's 141; for a --topology the chip's HBM:\n"
+        "v4 32, v5p 95, v5e 16, v6e 32; a v4 chip is two devices, 16 each)",
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="compile for a TPU slice with XLA's TPU compiler, on this CPU:\n"
+        "GENERATION:SHAPE, the chips along each axis of the slice,\n"
+        f"e.g. {TOPOLOGIES} (not v5p-128 or v5litepod-16);\n"
+        "--mesh must multiply to its device count. Needs libtpu: pip install -e '.[tpu]'",
+    )
     return p.parse_args(argv)
 
 
@@ -98,7 +129,9 @@ class Plan(NamedTuple):
     optimizer: int  # per device
     train: Figures
     rollout: Figures
-    platform: str  # of the compiler that made the figures: "cpu" from `main`
+    platform: str  # of the compiler that made the figures: "cpu", or "tpu" for a --topology
+    device_kind: str  # "cpu", "TPU v5", "TPU v5 lite", ...
+    chips: int  # a TPU v4 chip is two devices (its cores), other chips and CPU devices one
 
 
 def mesh_sizes(text: str | None, default: config_lib.MeshConfig) -> config_lib.MeshConfig:
@@ -135,6 +168,88 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
         )
     model = dataclasses.replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))
     return dataclasses.replace(cfg, mesh=mesh, model=model).validate(), seq_len
+
+
+def topology_devices(name: str) -> list:
+    """The compile-only devices of the TPU slice `name`: libtpu describes its chips on the CPU, so
+    XLA's TPU compiler compiles for a slice no one has booked. A missing libtpu and a name libtpu
+    refuses are clear errors here, before anything compiles."""
+    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+        raise ConfigError(
+            f"--topology {name}: compiling for a TPU needs libtpu (XLA's TPU compiler), which is "
+            "not installed; pip install -e '.[tpu]' (jax[tpu]: the libtpu of this jax)."
+        )
+    from jax.experimental import topologies
+
+    # libtpu's lockfile keeps a second process off a TPU's chips; this one only compiles, so two
+    # planners (or a planner beside a job on a TPU VM) may load libtpu together.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        return topologies.get_topology_desc(name, platform="tpu").devices
+    except jax.errors.JaxRuntimeError as error:
+        reason = str(error).splitlines()[0]
+        if not reason.startswith("INVALID_ARGUMENT"):
+            raise
+        raise ConfigError(
+            f"--topology {name!r}: libtpu does not know this slice ({reason}); write "
+            f"GENERATION:SHAPE, the chips along each axis of the slice, e.g. {TOPOLOGIES}."
+        ) from None
+
+
+def mesh_devices(topology: str | None, mesh: config_lib.MeshConfig) -> list:
+    """The devices to plan on: the TPU slice's for a `--topology`, else one virtual CPU device
+    per mesh position. Call it before jax starts its backend: it sets the CPU's device count."""
+    need = math.prod(dataclasses.astuple(mesh))
+    if topology is None:
+        mesh_lib.use_cpu_devices(need)
+        return jax.devices()[:need]
+    mesh_lib.use_cpu_devices(1)  # the host only compiles: jax must not look for a TPU on it
+    return topology_devices(topology)
+
+
+def _chips(devices) -> int:
+    """Distinct chips: libtpu describes a TPU v4 chip as two devices (its two cores, one coords);
+    a v5p, v5e or v6e chip is one device, and so is each CPU device."""
+    return len({tuple(d.coords) if d.platform == "tpu" else d.id for d in devices})
+
+
+def hardware(devices: int, chips: int, kind: str) -> str:
+    """`4 chips of TPU v5`, or for chips of several devices `4 chips of TPU v4, 2 devices each`."""
+    split = f", {devices // chips} devices each" if devices != chips else ""
+    return f"{chips} chip{'s' * (chips > 1)} of {kind}{split}"
+
+
+def device_memory(devices, memory_gb: float | None, topology: str | None) -> float:
+    """GB per device to judge the peaks by: --memory, else an H200's for the CPU estimate, else the
+    TPU chip's HBM shared by its devices. Known before compiling, so an unknown chip stops here."""
+    if memory_gb is not None:
+        return memory_gb
+    if devices[0].platform != "tpu":
+        return H200_GB
+    kind = devices[0].device_kind
+    if kind not in CHIP_GB:
+        raise ConfigError(
+            f"--topology {topology}: no memory figure for chips of {kind!r} (known: "
+            f"{', '.join(CHIP_GB)}); pass --memory GB per device."
+        )
+    return CHIP_GB[kind] * _chips(devices) / len(devices)
+
+
+def _count_mismatch(sizes: dict, devices) -> str:
+    """Why the mesh does not fit the devices, and what to change."""
+    need, have = math.prod(sizes.values()), len(devices)
+    if devices and devices[0].platform == "tpu":
+        slice_ = hardware(have, _chips(devices), devices[0].device_kind)
+        return (
+            f"mesh {sizes} has {need} positions, the TPU slice has {have} devices ({slice_}); "
+            f"pass a --mesh whose sizes multiply to {have}, e.g. --mesh data={have}, or a "
+            f"--topology of {need} devices."
+        )
+    return (
+        f"mesh {sizes} needs {need} devices, {have} were given; run `python -m jspec.jobs.plan` "
+        "(it makes the virtual CPU devices), or set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={need} before jax starts."
+    )
 
 
 def abstract_networks(cfg: config_lib.Config, mesh):
@@ -221,23 +336,28 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
     rows = NamedSharding(networks.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
     prompts = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rows)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-    key = jax.random.key(0)
+    # Abstract like every other argument: the program is compiled, never run, and a concrete key
+    # would be an array on this process's CPU rather than on the mesh's devices.
+    key_type = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(
+        key_type.shape, key_type.dtype, sharding=NamedSharding(networks.mesh, PartitionSpec())
+    )
     return jax.jit(run).lower(params, prompts, lengths, key).compile()
 
 
 def plan(
-    cfg: config_lib.Config, seq_len: int, rows: int | None = None, rollout_batch: int | None = None
+    cfg: config_lib.Config,
+    seq_len: int,
+    devices,
+    rows: int | None = None,
+    rollout_batch: int | None = None,
 ) -> Plan:
-    """Compiles both programs on the first devices of this process, one per mesh position."""
+    """Compiles both programs for `devices` (`mesh_devices`), one per mesh position in order; a
+    mesh that does not fit them is refused before anything compiles."""
     sizes = dataclasses.asdict(cfg.mesh)
-    need = math.prod(sizes.values())
-    if len(jax.devices()) < need:
-        raise ConfigError(
-            f"mesh {sizes} needs {need} devices, this process has {len(jax.devices())}; run "
-            "`python -m jspec.jobs.plan` (it makes the virtual CPU devices), or set XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={need} before jax starts."
-        )
-    mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:need])
+    if len(devices) != math.prod(sizes.values()):
+        raise ConfigError(_count_mismatch(sizes, devices))
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     networks, params = abstract_networks(cfg, mesh)
     rows = rows or sizes["data"]
     train, state, _ = train_step(cfg, networks, params, seq_len, rows)
@@ -249,7 +369,9 @@ def plan(
         _bytes(state.opt_state),
         Figures.of(train),
         Figures.of(roll),
-        mesh.devices.flat[0].platform,
+        devices[0].platform,
+        devices[0].device_kind,
+        _chips(devices),
     )
 
 
@@ -263,21 +385,25 @@ def _flop(n: float) -> str:
     return f"{n / 1e12:>9.1f} TFLOP" if n >= 1e11 else f"{n / 1e9:>9.2f} GFLOP"
 
 
-def target(platform: str, devices: int) -> str:
-    """The report's first line: whose figures these are (the compiler and its jax version), so no
-    one reads them as a GPU's or as another version's."""
-    name = platform.upper()
-    virtual = " virtual" if platform == "cpu" else ""
-    kind = "estimate" if platform == "cpu" else "compile"
-    where = f"{devices}{virtual} device{'s' * (devices > 1)}"
-    return f"{name} {kind} (XLA {name} compiler of jax {jax.__version__} on {where})"
+def target(p: Plan, devices: int, topology: str | None = None) -> str:
+    """The report's first line: whose figures these are (the compiler and its jax version, and for
+    a TPU slice its topology and chips), so no one reads them as a GPU's or another version's."""
+    name = p.platform.upper()
+    compiler = f"XLA {name} compiler of jax {jax.__version__}"
+    if topology is not None:
+        chips = hardware(devices, p.chips, p.device_kind)
+        return f"{name} compile ({compiler} for topology {topology}, {chips})"
+    virtual = " virtual" if p.platform == "cpu" else ""
+    kind = "estimate" if p.platform == "cpu" else "compile"
+    return f"{name} {kind} ({compiler} on {devices}{virtual} device{'s' * (devices > 1)})"
 
 
-def moe_assumptions(cfg: config_lib.Config) -> list[str]:
+def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
     """What the figures of a mixture of experts assume (`jspec.models.moe`); none for a dense
     model. The experts are split over `RULES["expert"]`, and each device receives into P times its
     own assignments (the worst case: every device routes all its tokens to it), which is how the
-    routing stays dropless with static shapes."""
+    routing stays dropless with static shapes. The note on the CPU's grouped matmuls, which copy
+    their rows per local expert, is left out of a TPU compile: its figures are the TPU's own."""
     m = cfg.model
     if not m.num_experts:
         return []
@@ -289,17 +415,22 @@ def moe_assumptions(cfg: config_lib.Config) -> list[str]:
         if group > 1
         else "one device holds every expert, no exchange"
     )
+    copies = (
+        "  temporaries are an upper estimate: the CPU's grouped matmuls copy their rows per local "
+        f"expert ({local}x), a Hopper GPU's kernels do not"
+    )
     return [
         f"mixture of experts: {local} of {m.num_experts} experts per device (split over "
         f"{' x '.join(mesh_lib.RULES['expert'])}, {group} devices), top-{m.num_experts_per_tok}, "
         f"{sum(m.sparse_layers)} of {m.num_layers} layers",
         f"  dropless, no capacity factor: {dispatch}",
-        "  temporaries are an upper estimate: the CPU's grouped matmuls copy their rows per local "
-        f"expert ({local}x), a Hopper GPU's kernels do not",
+        *([copies] if platform == "cpu" else []),
     ]
 
 
-def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> str:
+def report(
+    cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float, topology: str | None = None
+) -> str:
     sizes = dataclasses.asdict(cfg.mesh)
     mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
     verdict = lambda peak: "fits" if peak <= memory_gb * GB else "DOES NOT FIT"
@@ -308,9 +439,9 @@ def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> s
     t, r = p.train, p.rollout
     return "\n".join(
         [
-            f"{target(p.platform, math.prod(sizes.values()))} of {cfg.name}",
+            f"{target(p, math.prod(sizes.values()), topology)} of {cfg.name}",
             f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
-            *moe_assumptions(cfg),
+            *moe_assumptions(cfg, p.platform),
             "train step (GRPO + draft co-training, one update)",
             line("parameters (policy + draft)", p.parameters),
             line("optimizer state", p.optimizer),
@@ -329,10 +460,10 @@ def report(cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float) -> s
 def main(argv=None) -> Plan:
     args = parse_args(argv)
     cfg, seq_len = plan_config(args)
-    need = math.prod(dataclasses.astuple(cfg.mesh))
-    mesh_lib.use_cpu_devices(need)  # one per mesh position; jax has not started its backend yet
-    result = plan(cfg, seq_len, args.rows, args.rollout_batch)
-    print(report(cfg, result, seq_len, args.memory))
+    devices = mesh_devices(args.topology, cfg.mesh)
+    memory = device_memory(devices, args.memory, args.topology)
+    result = plan(cfg, seq_len, devices, args.rows, args.rollout_batch)
+    print(report(cfg, result, seq_len, memory, args.topology))
     return result
 
 

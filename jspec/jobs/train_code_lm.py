@@ -1,5 +1,6 @@
-"""A target language model and its EAGLE-3 draft, trained from scratch on Python source code, so
-that speculative decoding's acceptance (and so its speedup) is measured on a real model.
+"""A target language model and its draft (EAGLE-3, or an MTP head the target ships), trained
+from scratch on Python source code, so that speculative decoding's acceptance (and so its speedup)
+is measured on a real model.
 
 No model hub is reachable from the GPU machines; the `.py` files of the Python installation
 (standard library and site-packages: tens of MB of real code) are. The script
@@ -7,11 +8,14 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
   2. trains a byte-level BPE tokenizer on the training files (`tokenizers`),
   3. trains the target (`--config`, 1.4B parameters for `code-1b`) by next-token cross-entropy on
      packed rows of whole files (attention never crosses a file boundary),
-  4. trains an EAGLE-3 draft on the frozen target's taps and distribution with the co-training
-     loss of `jspec.rl.draft_loss` (the training-time test),
+  4. trains the draft (`--draft-kind`) on the frozen target's features and distribution with the
+     co-training loss of `jspec.rl.draft_loss` (the training-time test): an EAGLE-3 draft on its
+     taps, or a multi-token-prediction head on its final hidden state,
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
-     writes tokenizer, target and draft (Hugging Face and public EAGLE-3 layouts) to `--run-dir`
-     (target/ holds the tokenizer too: `train_rl rl.policy=RUN_DIR` starts RL from it).
+     writes tokenizer, target and draft to `--run-dir`: target/ in the Hugging Face layout with
+     the tokenizer (`train_rl rl.policy=RUN_DIR` starts RL from it), draft/ in the public EAGLE-3
+     layout, or mtp/: the target again with its head beside it in MiMo's layout, a policy that
+     ships its head (`rl.policy=RUN_DIR/mtp rollout.draft.kind=mtp rollout.draft.path=RUN_DIR/mtp`).
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
 stage trains through `jspec.jobs.trainer` (as train_rl does) in `RUN_DIR/training/<stage>/`:
 checkpoints/ every `--save-minutes` (a run that dies resumes from the newest checkpoint of the
@@ -57,8 +61,9 @@ from jspec import mesh as mesh_lib
 from jspec import tokenizers
 from jspec.config import ConfigError, MeshConfig
 from jspec.jobs import cli, trainer
-from jspec.models import create, hf, hf_eagle3
-from jspec.models.draft import Eagle3Config, create_eagle3
+from jspec.models import create, hf, hf_eagle3, hf_mtp
+from jspec.models.draft import Eagle3Config, Shared, create_eagle3
+from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.rl.draft_loss import draft_loss
 from jspec.rl.state import Group, adamw
 
@@ -87,6 +92,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument(
+        "--draft-kind",
+        choices=("eagle3", "mtp"),
+        default="eagle3",
+        help="the draft trained on the frozen target: EAGLE-3 (its taps) or an MTP head (its final "
+        "hidden state, its embedding and output head)",
+    )
     p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-learning-rate", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
@@ -290,12 +302,12 @@ def draft_loss_fn(ttt_steps: int):
 
     def loss(draft, target, batch):
         tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
-        logits, taps = target(tokens, seg, pos, taps=True)
-        embed = target.embed[...].astype(taps.dtype)
+        logits, features = target(tokens, seg, pos, features=draft.features)
+        shared = jax.tree.map(lambda w: w.astype(features.dtype), Shared.of(target))
         out = draft_loss(
             draft,
-            embed,
-            taps,
+            shared,
+            features,
             logits,
             tokens,
             seg,
@@ -343,8 +355,8 @@ def save_target(path: pathlib.Path, target, tokenizer: pathlib.Path) -> None:
     tokenizers.HFTokenizer(tokenizer, EOS).save(path)
 
 
-def stages(args, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
-    """The target's stage and the draft's (of the run directory `run`)."""
+def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
+    """The target's stage and the draft's (of the run directory `run`; `cfg` the model's)."""
     target = Stage(
         "target",
         args.steps,
@@ -355,17 +367,25 @@ def stages(args, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
         lambda path, module: save_target(path, module, run / "tokenizer.json"),
         lambda path: hf.load(path, mesh),
     )
-    draft = Stage(
-        "draft",
+    draft_flags = ("draft_steps", "draft_learning_rate", "ttt_steps")
+    train_draft = lambda name, save, load: Stage(
+        name,
         args.draft_steps,
         args.draft_learning_rate,
         draft_loss_fn(args.ttt_steps),
         "agreement",
-        ("draft_steps", "draft_learning_rate", "ttt_steps"),
-        hf_eagle3.save,
-        lambda path: hf_eagle3.load(path, mesh)[0],
+        draft_flags,
+        save,
+        load,
     )
-    return target, draft
+    if args.draft_kind == "mtp":
+
+        def ship(path: pathlib.Path, head) -> None:  # the target, its head beside it
+            shutil.copytree(run / target.name, path)
+            hf_mtp.save(path, head)
+
+        return target, train_draft("mtp", ship, lambda path: hf_mtp.load(path, cfg, mesh))
+    return target, train_draft("draft", hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0])
 
 
 def run_stage(run: pathlib.Path, stage: Stage, module, batches, mesh, loop, teacher=None):
@@ -444,7 +464,10 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     target = run_stage(run, target_stage, target, batches, mesh, loops[target_stage])
     print(f"target trained {limits.stamp()}", flush=True)
     limits.check(before="the draft's stage")  # the target's last step ended past a limit
-    draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
+    if draft_stage.name == "mtp":
+        draft = create_mtp(MTPConfig.for_target(cfg), mesh=mesh)
+    else:
+        draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
     draft = run_stage(run, draft_stage, draft, batches, mesh, loops[draft_stage], target)
     print(f"draft trained {limits.stamp()}", flush=True)
     return target, draft
@@ -473,7 +496,7 @@ def main(argv=None):
     unfinished = lambda stage: not (run / stage.name).is_dir()
     loops = {
         s: stage_loop(run, args, cfg, s, limits) if unfinished(s) else None
-        for s in stages(args, mesh, run)
+        for s in stages(args, cfg, mesh, run)
     }
     say = lambda msg: print(msg, flush=True)
     with trainer.resumable(say), contextlib.ExitStack() as closing:

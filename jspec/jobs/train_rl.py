@@ -60,7 +60,8 @@ from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, RolloutConfig
 from jspec.jobs import cli, trainer
-from jspec.models import create, draft_factory, hf, hf_eagle3
+from jspec.models import create, draft_factory, hf, hf_eagle3, hf_mtp
+from jspec.models.mtp import MTPDraft
 from jspec.rl import grpo, meshes, packing, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
@@ -117,10 +118,11 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             "leave it unset (synchronous RL on the whole mesh)."
         )
     rl.check_mesh(*meshes.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
-    if mode != "none" and cfg.rollout.draft.kind != "eagle3":
+    if mode != "none" and cfg.rollout.draft.kind not in ("eagle3", "mtp"):
         raise ConfigError(
-            f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft, but rollout.draft.kind="
-            f"{cfg.rollout.draft.kind!r}; set rollout.draft.kind=eagle3, or pass --draft-mode none."
+            f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft or an MTP head, but "
+            f"rollout.draft.kind={cfg.rollout.draft.kind!r}; set rollout.draft.kind to eagle3 or "
+            "mtp, or pass --draft-mode none."
         )
     if mode != "none":
         draft_factory.check_config(cfg.rollout.draft, cfg.model)
@@ -470,9 +472,9 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
 
 def export(run: Run, state, directory: pathlib.Path, say) -> None:
     """The policy of `state` in the Hugging Face layout with its tokenizer (`directory`/policy)
-    and its draft in the public EAGLE-3 layout (`directory`/draft), which `transformers` and
-    serving engines load; written beside and then moved into place, so a partial export is never
-    read."""
+    and its draft: an EAGLE-3 draft in its public layout (`directory`/draft), an MTP head beside
+    the policy in MiMo's (`jspec.models.hf_mtp`), which `transformers` and serving engines load;
+    written beside and then moved into place, so a partial export is never read."""
     if run.cfg.pipeline.stages > 1:
         say(f"{directory}: not written; exporting a pipelined policy is not supported yet.")
         return
@@ -481,7 +483,9 @@ def export(run: Run, state, directory: pathlib.Path, say) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     policy, draft = run.networks.models(state.params)
     hf.save(partial / "policy", policy)
-    if draft is not None:
+    if isinstance(draft, MTPDraft):
+        hf_mtp.save(partial / "policy", draft)
+    elif draft is not None:
         hf_eagle3.save(partial / "draft", draft)
     if hosts.is_main():
         if isinstance(run.tokenizer, tokenizers.HFTokenizer):

@@ -1,12 +1,13 @@
 """Draft models for speculative decoding, behind one small interface (`Draft`).
 
-Two kinds:
+Three kinds (a multi-token-prediction head, the third, is `jspec.models.mtp.MTPDraft`, a
+`OneLayerDraft` as EAGLE-3 is):
 - `Eagle3Draft`: the EAGLE-3 head. The target's hidden states entering three of its layers (its
   taps) are concatenated and projected (`fc`, 3H -> H); one decoder layer attends over
   concat(RMSNorm(token embedding), RMSNorm(fused feature)) (2H wide), with the residual taken from
   the fused feature (before `hidden_norm`, or after it with `norm_before_residual`); then an MLP, a
   final norm and an LM head over a draft vocabulary (the most frequent target tokens). The token
-  embedding is the target's, passed in at every call, not a copy.
+  embedding is the target's, passed in at every call (`Shared`), not a copy.
 - `ExternalDraft`: any small `Transformer` that shares the target's tokenizer.
 
 The interface, in the terms of one row (`jspec.sampler.generate` drives it and does not know
@@ -15,14 +16,15 @@ there gives the logits of the tree's first level. Slot j holds, for EAGLE-3, the
 feature at position j, token j + 1) at RoPE position j (the published pairing: the feature of a
 token meets the embedding of the next one); for an external draft, token j at position j.
 - `init_cache(batch, max_len)`: an empty cache for sequences of up to `max_len` target tokens.
-- `prefill(embed, prompt, lengths, root, features, cache)`: fill the empty cache from the prompt
+- `prefill(shared, prompt, lengths, root, features, cache)`: fill the empty cache from the prompt
   and the first sampled token (`root`); returns the root's logits and hidden state.
-- `extend(embed, tokens, features, count, cache)`: after a verify step, append the emitted tokens
-  (`features[j]`: the target's taps at the position before `tokens[j]`); the last one is the new
-  root.
-- `tree_step(embed, tokens, parent_hidden, depth, parent, cache, tree)`: a level of the draft tree:
+- `extend(shared, tokens, features, count, cache)`: after a verify step, append the emitted tokens
+  (`features[j]`: what the draft reads of the target, its `features`, at the position before
+  `tokens[j]`); the last one is the new root.
+- `tree_step(shared, tokens, parent_hidden, depth, parent, cache, tree)`: a level of the draft tree:
   nodes at RoPE position (root slot's position + depth), anchored at the root's slot, below
   earlier nodes (`TreeKV`) or the root (-1); returns their logits, hidden states and K/V.
+`shared` holds the target's weights a draft may read (`Shared`: embedding and output head).
 Logits always cover the target's whole vocabulary (-inf outside a draft vocabulary), in float32.
 `prefill`, `extend` and `tree_step` attend to the cache on the kernels of `kernels=` (a static
 `KernelConfig`: `RolloutConfig.kernels`; None: its defaults).
@@ -53,6 +55,18 @@ Taps = Float[Array, "taps b t d"]
 Kernels = KernelConfig | None  # what attention to the cache runs on (None: `KernelConfig()`)
 
 
+class Shared(NamedTuple):
+    """The target's weights a draft reads but does not own: the token embedding and the output
+    head [V, D] (one array when tied), passed in at every call so that no draft holds a copy."""
+
+    embed: Float[Array, "v d"]
+    head: Float[Array, "v d"]
+
+    @classmethod
+    def of(cls, target: Transformer) -> Shared:
+        return cls(target.embed[...], target.head[...])
+
+
 class DraftOut(NamedTuple):
     """The draft at the root (or at tree nodes): logits over the target vocabulary, the hidden
     state a child node takes as its feature (EAGLE-3; width 0 for an external draft), the cache."""
@@ -66,25 +80,29 @@ class Draft(Protocol):
     """What `jspec.sampler.generate` needs of a draft model (see the module docstring)."""
 
     num_layers: int  # layers of the draft's own cache and tree K/V
-    uses_taps: bool  # whether `prefill` and `extend` read the target's taps
+    # What `prefill` and `extend` read of the target's forward (`transformer.FEATURES`): its taps,
+    # its final-normed hidden state, or None (nothing).
+    features: str | None
 
     def init_cache(self, batch: int, max_len: int) -> KVCache: ...
 
     def prefill(
-        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+        self, shared, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
     ) -> DraftOut: ...
 
     def extend(
-        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+        self, shared, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
     ) -> DraftOut: ...
 
     def tree_step(
-        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+        self, shared, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
     ): ...
 
     def empty_tree(self, batch: int, capacity: int) -> TreeKV: ...
 
     def for_rollout(self) -> Draft: ...  # this draft in the layout a loop of steps wants
+
+    def check_target(self, target: ModelConfig) -> None: ...  # ConfigError if it cannot serve
 
 
 def check_eagle3_config(c: Eagle3Config, target: ModelConfig) -> None:
@@ -110,24 +128,74 @@ def check_eagle3_config(c: Eagle3Config, target: ModelConfig) -> None:
 
 
 def check_target(draft, target: ModelConfig) -> None:
-    """Raises ConfigError when the draft cannot serve this target (before any compilation)."""
-    if isinstance(draft, Eagle3Draft):
-        check_eagle3_config(draft.config, target)
-        ids = np.asarray(jax.device_get(draft.target_ids[...]))
-        if ids.min() < 0 or ids.max() >= target.vocab_size or np.unique(ids).size != ids.size:
-            raise ConfigError(
-                "the EAGLE-3 draft's vocabulary map (d2t) sends draft ids outside the target's "
-                f"vocabulary of {target.vocab_size} or onto one target token twice."
-            )
-    elif isinstance(draft, ExternalDraft):
-        v = draft.model.config.vocab_size
-        if v != target.vocab_size:
-            raise ConfigError(
-                f"the external draft's vocab_size={v} differs from the target's "
-                f"{target.vocab_size}: an external draft must share the target's tokenizer."
-            )
-    else:
-        raise TypeError(f"{type(draft).__name__} is not a draft kind (Eagle3Draft, ExternalDraft).")
+    """Raises ConfigError when the draft cannot serve this target (before any compilation), a
+    TypeError for what is not a draft."""
+    if not isinstance(draft, OneLayerDraft | ExternalDraft):
+        raise TypeError(
+            f"{type(draft).__name__} is not a draft kind (EAGLE-3, MTP head, external model)."
+        )
+    draft.check_target(target)
+
+
+class OneLayerDraft(nnx.Module):
+    """A draft of one decoder layer over what it reads of the target (its `features`) at each
+    position, paired with the embedding of the next token; a tree level feeds the layer's output
+    back in as its children's feature. EAGLE-3 (the fused taps) and a multi-token-prediction head
+    (`jspec.models.mtp`: the final hidden state) are two of them: each gives `config.layer` (the
+    layer's shape), `fuse` (the target's features -> the layer's input), `layer`,
+    `draft_logits` and `to_target_vocab`; the cache, prefill, extend and tree levels are here."""
+
+    num_layers = 1
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return _init_cache(self.config.layer, self.mesh, batch, max_len)
+
+    def prefill(
+        self, shared, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+    ) -> DraftOut:
+        """Slots 0 .. n-1 of a prompt of n tokens: features of tokens 0 .. n-1 with tokens
+        1 .. n-1 and the root."""
+        b, t = prompt.shape
+        nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
+        nxt = jnp.where(jnp.arange(t) == lengths[:, None] - 1, root[:, None], nxt)
+        return self.extend(shared, nxt, features, lengths, cache, kernels=kernels)
+
+    def extend(
+        self, shared, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+    ) -> DraftOut:
+        writer = CacheWriter(cache, count, tokens.shape[1], self.mesh, kernels)
+        cos_sin = layers.rope_angles(self.config.layer, writer.q_positions)
+        attend = functools.partial(writer.attend, 0)
+        out, _ = self.layer(_lookup(shared.embed, tokens), self.fuse(features), cos_sin, attend)
+        last = last_valid(out, count)
+        logits = self.to_target_vocab(self.draft_logits(last[:, None], shared))[:, 0]
+        return DraftOut(logits, last, writer.cache)
+
+    def tree_step(
+        self, shared, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+    ):
+        anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
+
+        attend = lambda q, k, v: cache_attention(
+            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh, kernels
+        )
+
+        cos_sin = layers.rope_angles(self.config.layer, positions)
+        out, (k, v) = self.layer(_lookup(shared.embed, tokens), parent_hidden, cos_sin, attend)
+        logits = self.to_target_vocab(self.draft_logits(out, shared))
+        return logits, out, k[None], v[None], anchor
+
+    def empty_tree(self, batch: int, capacity: int) -> TreeKV:
+        c = self.config.layer
+        return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
+
+    def from_target_vocab(self, logits: Float[Array, "*b v"]) -> Float[Array, "*b vd"]:
+        """Target-vocabulary logits restricted to the draft's vocabulary (a teacher's)."""
+        return logits[..., self.target_ids[...]]
+
+    @property
+    def _dtype(self):
+        return jnp.dtype(self.config.layer.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,11 +235,10 @@ class VocabMap(nnx.Variable):
     """Target token id of every draft token id: a constant, never trained."""
 
 
-class Eagle3Draft(nnx.Module):
+class Eagle3Draft(OneLayerDraft):
     """The EAGLE-3 draft head. Parameters carry logical axis names like the target's."""
 
-    num_layers = 1
-    uses_taps = True
+    features = "taps"
 
     def __init__(
         self,
@@ -244,11 +311,20 @@ class Eagle3Draft(nnx.Module):
         x_BTD = x_BTD + layers.swiglu(h_BTD, w_in, w(self.w_down))
         return x_BTD, kv
 
-    def draft_logits(self, hidden_BTD) -> Float[Array, "b t vd"]:
-        """Logits over the draft vocabulary (float32)."""
+    def draft_logits(self, hidden_BTD, shared: Shared | None = None) -> Float[Array, "b t vd"]:
+        """Logits over the draft vocabulary (float32), by the draft's own head (`shared` unused)."""
         x = layers.rms_norm(hidden_BTD, self.final_norm[...], self.config.layer.rms_norm_eps)
         w = self.lm_head[...].astype(x.dtype)
         return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
+
+    def check_target(self, target: ModelConfig) -> None:
+        check_eagle3_config(self.config, target)
+        ids = np.asarray(jax.device_get(self.target_ids[...]))
+        if ids.min() < 0 or ids.max() >= target.vocab_size or np.unique(ids).size != ids.size:
+            raise ConfigError(
+                "the EAGLE-3 draft's vocabulary map (d2t) sends draft ids outside the target's "
+                f"vocabulary of {target.vocab_size} or onto one target token twice."
+            )
 
     def to_target_vocab(self, logits_d: Float[Array, "*b vd"]) -> Float[Array, "*b v"]:
         """Draft-vocabulary logits placed at their target ids; -inf at every other target id."""
@@ -275,48 +351,6 @@ class Eagle3Draft(nnx.Module):
         out, _ = self.layer(embeds, hidden, cos_sin, attend)
         return self.draft_logits(out), out
 
-    # -- the Draft interface -------------------------------------------------------------------
-
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return _init_cache(self.config.layer, self.mesh, batch, max_len)
-
-    def prefill(
-        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
-    ) -> DraftOut:
-        """Slots 0 .. n-1 of a prompt of n tokens: features of tokens 0 .. n-1 with tokens
-        1 .. n-1 and the root."""
-        b, t = prompt.shape
-        nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
-        nxt = jnp.where(jnp.arange(t) == lengths[:, None] - 1, root[:, None], nxt)
-        return self.extend(embed, nxt, features, lengths, cache, kernels=kernels)
-
-    def extend(
-        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
-    ) -> DraftOut:
-        writer = CacheWriter(cache, count, tokens.shape[1], self.mesh, kernels)
-        cos_sin = layers.rope_angles(self.config.layer, writer.q_positions)
-        attend = functools.partial(writer.attend, 0)
-        out, _ = self.layer(_lookup(embed, tokens), self.fuse(features), cos_sin, attend)
-        last = last_valid(out, count)
-        return DraftOut(self._root_logits(last), last, writer.cache)
-
-    def tree_step(
-        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
-    ):
-        anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
-
-        attend = lambda q, k, v: cache_attention(
-            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh, kernels
-        )
-
-        cos_sin = layers.rope_angles(self.config.layer, positions)
-        out, (k, v) = self.layer(_lookup(embed, tokens), parent_hidden, cos_sin, attend)
-        return self.to_target_vocab(self.draft_logits(out)), out, k[None], v[None], anchor
-
-    def empty_tree(self, batch: int, capacity: int) -> TreeKV:
-        c = self.config.layer
-        return TreeKV.empty(1, batch, capacity, c.num_kv_heads, c.head_dim, jnp.dtype(c.dtype))
-
     def for_rollout(self) -> Eagle3Draft:
         """A copy of this draft for a loop of rollout steps: its input products fused as the
         target's are (`fuse_products`: two products instead of five, each step drafts one to a
@@ -338,10 +372,6 @@ class Eagle3Draft(nnx.Module):
 
     # -- internals -----------------------------------------------------------------------------
 
-    @property
-    def _dtype(self):
-        return jnp.dtype(self.config.layer.dtype)
-
     def _hidden(self, features, batch_time: tuple[int, int]) -> Float[Array, "b t d"]:
         """The layer's input feature from what `__call__` was given, told apart by shape (checked
         here: a wrong one would otherwise fail deep inside as an opaque broadcasting error)."""
@@ -360,9 +390,6 @@ class Eagle3Draft(nnx.Module):
                 f"D = hidden_size {d})."
             )
         return read[features.shape](features)
-
-    def _root_logits(self, hidden_BD):
-        return self.to_target_vocab(self.draft_logits(hidden_BD[:, None]))[:, 0]
 
 
 def _lookup(embed: Float[Array, "v d"], tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
@@ -412,7 +439,7 @@ class ExternalDraft(nnx.Module):
     """A small decoder sharing the target's tokenizer, used as a draft: its cache mirrors the
     target's sequence, root included; its tree levels are branch forwards (no hidden feature)."""
 
-    uses_taps = False
+    features = None
 
     def __init__(self, model: Transformer):
         self.model = model
@@ -428,23 +455,31 @@ class ExternalDraft(nnx.Module):
     def for_rollout(self) -> ExternalDraft:
         return ExternalDraft(self.model.for_rollout())
 
+    def check_target(self, target: ModelConfig) -> None:
+        v = self.model.config.vocab_size
+        if v != target.vocab_size:
+            raise ConfigError(
+                f"the external draft's vocab_size={v} differs from the target's "
+                f"{target.vocab_size}: an external draft must share the target's tokenizer."
+            )
+
     def prefill(
-        self, embed, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
+        self, shared, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
     ) -> DraftOut:
         """Slots 0 .. n: the prompt, then the root."""
         b, t = prompt.shape
         seq = jnp.concatenate([prompt, jnp.zeros((b, 1), prompt.dtype)], axis=1)
         seq = jnp.where(jnp.arange(t + 1) == lengths[:, None], root[:, None], seq)
-        return self.extend(embed, seq, None, lengths + 1, cache, kernels=kernels)
+        return self.extend(shared, seq, None, lengths + 1, cache, kernels=kernels)
 
     def extend(
-        self, embed, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
+        self, shared, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
     ) -> DraftOut:
         logits, cache = self.model.prefill(tokens, cache, count, kernels=kernels)
         return DraftOut(logits, jnp.zeros((tokens.shape[0], 0), logits.dtype), cache)
 
     def tree_step(
-        self, embed, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
+        self, shared, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
     ):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
         logits, k, v = self.model.branch_forward(

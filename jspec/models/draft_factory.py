@@ -1,6 +1,7 @@
 """The draft a `DraftConfig` describes, for a target: loaded from its checkpoint (EAGLE-3's public
-layout, or a Hugging Face decoder for an external draft) or initialised randomly, and checked
-against the target. It sits apart from `draft` (the models) because the loaders import those."""
+layout, an MTP head in MiMo's layout beside its policy, or a Hugging Face decoder for an external
+draft) or initialised randomly, and checked against the target. It sits apart from `draft` (the
+models) because the loaders import those."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pathlib
 from jax.sharding import Mesh
 
 from jspec.config import DraftConfig, ModelConfig
-from jspec.models import hf, hf_eagle3
+from jspec.models import hf, hf_eagle3, hf_mtp
 from jspec.models.draft import (
     Eagle3Config,
     ExternalDraft,
@@ -17,6 +18,7 @@ from jspec.models.draft import (
     check_target,
     create_eagle3,
 )
+from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.models.transformer import Transformer, create
 
 # ModelConfig fields a loaded draft takes from the target it serves, not from its checkpoint: it
@@ -28,6 +30,8 @@ def check_config(config: DraftConfig, target: ModelConfig) -> None:
     """Raises ConfigError when the draft `config` describes cannot serve `target`, from configs
     alone (a checkpoint's config.json, not its weights): before anything is built."""
     config.validate()
+    if config.kind == "mtp" and config.path is not None:
+        hf.check_config(config.path, target)  # a head serves the trunk it was trained with
     if config.kind == "eagle3" and config.path is not None:
         path = pathlib.Path(config.path)
         if not (path / hf.CONFIG).is_file():
@@ -60,6 +64,13 @@ def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: 
         else:
             layer = Eagle3Config.for_target(target.config, config.vocab_size)
             draft = create_eagle3(layer, mesh=mesh, seed=seed)
+    elif config.kind == "mtp":
+        head = MTPConfig.for_target(target.config)
+        draft = (
+            hf_mtp.load(config.path, target.config, mesh, seed=seed)
+            if config.path is not None
+            else create_mtp(head, mesh=mesh, seed=seed)
+        )
     elif config.path is not None:
         draft = ExternalDraft(hf.load(config.path, mesh=mesh, **run))
     else:

@@ -401,6 +401,15 @@ def load(
 # Export.
 
 
+def place(host: np.ndarray, mesh: Mesh | None, var) -> jax.Array:
+    """A host array on the device (no mesh), or placed by the logical axes of the parameter `var`
+    it fills, each device receiving its own slice only."""
+    if mesh is None:
+        return jax.device_put(host)
+    sharding = mesh_lib.sharding(mesh, var.axes)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
 def host_array(x: Any) -> np.ndarray:
     """The whole value of `x` on this host, gathered from every process when it spans several."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

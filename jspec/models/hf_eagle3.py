@@ -29,7 +29,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
-from jspec import mesh as mesh_lib
 from jspec.models import hf
 from jspec.models.draft import Eagle3Config, Eagle3Draft
 
@@ -167,13 +166,13 @@ def load(
         values: dict[str, Any] = {}
         for (name,), var in nnx.to_flat_state(state):
             if name == "target_ids":
-                values[name] = _place(_target_ids(reader, config), mesh, var)
+                values[name] = hf.place(_target_ids(reader, config), mesh, var)
                 continue
             key, n_in = _KEYS[name]
             key = key.format(layer=LAYOUTS[reader.layout])
             shape = tuple(var.shape)
             host = hf._from_hf(reader.tensor(key, hf._hf_shape(shape, n_in)), shape, n_in)
-            values[name] = _place(host.astype(np_dtype, copy=False), mesh, var)
+            values[name] = hf.place(host.astype(np_dtype, copy=False), mesh, var)
         embedding = None
         if EMBED in reader.where:
             embedding = reader.tensor(EMBED, (c.vocab_size, c.hidden_size))
@@ -252,13 +251,6 @@ def _target_ids(reader, config: Eagle3Config) -> np.ndarray:
         if t2d.sum() != n or not t2d[ids].all():
             raise hf.CheckpointError("t2d and d2t disagree on which target tokens are drafted.")
     return ids.astype(np.int32)
-
-
-def _place(host: np.ndarray, mesh: Mesh | None, var) -> jax.Array:
-    if mesh is None:
-        return jax.device_put(host)
-    sharding = mesh_lib.sharding(mesh, var.axes)
-    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
 def save(

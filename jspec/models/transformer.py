@@ -58,6 +58,10 @@ TRAIN_ACT = ("batch", "seq")
 ROLLOUT_ACT = ("decode_batch", None)
 
 Taps = Float[Array, "taps b t d"]  # hidden states entering the layers config.taps (T may be absent)
+# What a draft reads of the target's forward (`features=`): nothing, the hidden states entering the
+# layers `config.taps` (EAGLE-3), or the final-normed hidden state the output head reads (a
+# multi-token-prediction head), as F feature vectors [F,B,T,D] (F = len(taps), or 1).
+FEATURES = (None, "taps", "final")
 
 # Which config field sizes each logical parameter axis, for the mesh check.
 _AXIS_FIELDS = {
@@ -229,11 +233,11 @@ class Transformer(nnx.Module):
         segment_ids: Int[Array, "b t"] | None = None,
         positions: Int[Array, "b t"] | None = None,
         *,
-        taps: bool = False,
+        features: str | None = None,
         aux_loss: bool = False,
     ) -> Float[Array, "b t v"] | tuple[Array, ...]:
-        """Logits (float32) of packed rows; with `taps`, also the hidden states entering the layers
-        `config.taps` [len(taps),B,T,D] (not detached: the caller stops their gradient); with
+        """Logits (float32) of packed rows; with `features`, also what a draft reads of them
+        (`FEATURES`, [F,B,T,D], not detached: the caller stops their gradient); with
         `aux_loss`, last, the router's load-balancing loss over the non-padding tokens (a scalar,
         `transformers`' `aux_loss`; 0 without sparse layers): a training loss adds
         `config.router_aux_loss_coef` times it.
@@ -261,6 +265,7 @@ class Transformer(nnx.Module):
             attend = attention
         x_BTD = self._embed(tokens, TRAIN_ACT)
         cos_sin = rope_angles(self.config, positions)
+        taps = features == "taps"
         x_BTD, taps_, stats = self._scan(x_BTD, cos_sin, attend, segment_ids, positions, taps)
         if cp > 1:
             # Back to natural order before the LM head: the permutation depends on the documents,
@@ -271,8 +276,9 @@ class Transformer(nnx.Module):
             )
             x_BTD = natural(mark_misaligned(x_BTD, natural_seg, cp))
             taps_ = [natural(x) for x in taps_]
-        logits = self._logits(x_BTD, TRAIN_ACT)
-        out = (logits, *([jnp.stack(taps_)] if taps else []))
+        normed_BTD = self._final(x_BTD)
+        logits = self._head(normed_BTD, TRAIN_ACT)
+        out = (logits, *self._features(features, taps_, normed_BTD))
         if aux_loss:
             out += (jnp.zeros(()) if stats is None else load_balancing_loss(stats),)
         return out if len(out) > 1 else logits
@@ -327,14 +333,14 @@ class Transformer(nnx.Module):
         cache: KVCache,
         lengths: Int[Array, " b"] | None = None,
         *,
-        taps: bool = False,
+        features: str | None = None,
         kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
         """Runs right-padded tokens (row b: the first `lengths[b]`; None: all T) into the cache,
         continuing each row's document at position `cache.length[b]` (0 for a new cache).
 
         Returns the logits after each row's last new token, the cache with the tokens written and,
-        with `taps`, the tap hidden states of every new token [len(taps),B,T,D]. A row given no new
+        with `features`, those of every new token [F,B,T,D] (`FEATURES`). A row given no new
         token has no such logits: that is an error for concrete lengths, and NaN logits under `jit`.
         `kernels`: what attention to the cache runs on (None: `KernelConfig()`).
         """
@@ -351,23 +357,23 @@ class Transformer(nnx.Module):
         writer = CacheWriter(cache, lengths, t, self.mesh, kernels)
         x_BTD = self._embed(tokens, ROLLOUT_ACT)
         cos_sin = rope_angles(self.config, writer.q_positions)
-        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, taps)
-        logits = self._logits(last_valid(x_BTD, lengths)[:, None], ROLLOUT_ACT)[:, 0]
-        return (logits, writer.cache, jnp.stack(taps_)) if taps else (logits, writer.cache)
+        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, features == "taps")
+        normed_BTD = self._final(x_BTD)
+        logits = self._head(last_valid(normed_BTD, lengths)[:, None], ROLLOUT_ACT)[:, 0]
+        return (logits, writer.cache, *self._features(features, taps_, normed_BTD))
 
     def decode(
         self,
         token: Int[Array, " b"],
         cache: KVCache,
         *,
-        taps: bool = False,
+        features: str | None = None,
         kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b v"], KVCache] | tuple[Float[Array, "b v"], KVCache, Taps]:
         """One token per row at position `cache.length`: logits [B,V], the cache with the token
-        appended, and with `taps` the tap hidden states [len(taps),B,D] (`kernels`: as `prefill`).
-        """
-        out = self.prefill(token[:, None], cache, taps=taps, kernels=kernels)
-        return (*out[:2], out[2][:, :, 0]) if taps else out
+        appended, and with `features` the token's [F,B,D] (`kernels`: as `prefill`)."""
+        out = self.prefill(token[:, None], cache, features=features, kernels=kernels)
+        return (*out[:2], out[2][:, :, 0]) if features else out
 
     def branch_forward(
         self,
@@ -377,7 +383,7 @@ class Transformer(nnx.Module):
         anchor: Int[Array, "b n"],
         parent: Int[Array, "b n"],
         *,
-        taps: bool = False,
+        features: str | None = None,
         earlier: TreeKV | None = None,
         kernels: KernelConfig | None = None,
     ) -> tuple[Float[Array, "b n v"], KV, KV] | tuple[Float[Array, "b n v"], KV, KV, Taps]:
@@ -388,8 +394,9 @@ class Transformer(nnx.Module):
         none); it sees the cache up to its anchor and its ancestors. With `earlier` (nodes of
         earlier steps of a tree expansion), parents index those C nodes followed by these N.
         Negative tokens are allowed for padding nodes. Returns logits [B,N,V], the nodes' K and V
-        [L,B,N,K,E] (for `KVCache.append` of the accepted ones, or `TreeKV.add`) and, with `taps`,
-        their tap states [len(taps),B,N,D]. The cache is not changed. `kernels`: as `prefill`.
+        [L,B,N,K,E] (for `KVCache.append` of the accepted ones, or `TreeKV.add`) and, with
+        `features`, theirs [F,B,N,D] (`FEATURES`). The cache is not changed. `kernels`: as
+        `prefill`.
         """
 
         def attend(i, q, k, v):
@@ -401,10 +408,11 @@ class Transformer(nnx.Module):
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
         x_BND, taps_, (k, v) = self._unrolled(
-            x_BND, rope_angles(self.config, positions), attend, taps
+            x_BND, rope_angles(self.config, positions), attend, features == "taps"
         )
-        logits = self._logits(x_BND, ROLLOUT_ACT)
-        return (logits, k, v, jnp.stack(taps_)) if taps else (logits, k, v)
+        normed_BND = self._final(x_BND)
+        logits = self._head(normed_BND, ROLLOUT_ACT)
+        return (logits, k, v, *self._features(features, taps_, normed_BND))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -421,12 +429,30 @@ class Transformer(nnx.Module):
         x = jnp.take(table, tokens, axis=0, mode="clip")  # clip: padding tokens may be negative
         return self._constrain(x, (*act, "act_embed"))
 
-    def _logits(self, x_BTD, act):
-        c = self.config
-        x_BTD = rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
-        w_VD = (self.embed if self.unembed is None else self.unembed)[...].astype(x_BTD.dtype)
-        logits = jnp.einsum("btd,vd->btv", x_BTD, w_VD, preferred_element_type=jnp.float32)
+    def _final(self, x_BTD):
+        """The final norm: the hidden state the output head reads."""
+        return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps)
+
+    def _head(self, normed_BTD, act):
+        """Logits (float32) of final-normed hidden states."""
+        w_VD = self.head[...].astype(normed_BTD.dtype)
+        logits = jnp.einsum("btd,vd->btv", normed_BTD, w_VD, preferred_element_type=jnp.float32)
         return self._constrain(logits, (*act, "act_vocab"))
+
+    @property
+    def head(self) -> nnx.Param:
+        """The output head's weights [V, D]: the embedding when tied."""
+        return self.embed if self.unembed is None else self.unembed
+
+    @staticmethod
+    def _features(kind: str | None, taps: list, normed_BTD) -> tuple:
+        """What `kind` of `FEATURES` asks for, as the one trailing output of a forward (none for
+        None): the taps, or the final-normed hidden state as one feature."""
+        if kind not in FEATURES:
+            raise ValueError(f"features={kind!r} is not one of {FEATURES}.")
+        if kind is None:
+            return ()
+        return (jnp.stack(taps) if kind == "taps" else normed_BTD[None],)
 
     def _stacks(self) -> dict[str, tuple[nnx.GraphDef, nnx.State]]:
         return {name: nnx.split(getattr(self, name)) for name in layer_stacks(self.config)}

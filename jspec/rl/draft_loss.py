@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
-from jspec.models.draft import Eagle3Draft
+from jspec.models.draft import OneLayerDraft, Shared
 from jspec.models.layers import rope_angles
 
 
@@ -108,8 +108,8 @@ class _Layout:
 
 
 def draft_passes(
-    draft: Eagle3Draft,
-    embed: Float[Array, "v d"],
+    draft: OneLayerDraft,
+    shared: Shared,
     taps: Float[Array, "taps b t d"],
     tokens: Int[Array, "b t"],
     segment_ids: Int[Array, "b t"],
@@ -121,7 +121,9 @@ def draft_passes(
     layout = _Layout(segment_ids, mesh)
     pos = layout.shard(positions)
     cfg = draft.config.layer
-    emb = lambda i: layout.shard(jnp.take(embed, shift(tokens, 1 + i, 0), axis=0, mode="clip"))
+    emb = lambda i: layout.shard(
+        jnp.take(shared.embed, shift(tokens, 1 + i, 0), axis=0, mode="clip")
+    )
 
     def trunk(q, k, v):
         return layout.attend(q, k, v, pos)[0]
@@ -150,7 +152,7 @@ def pass_targets(
     return shift(response, 2 + i, False) & same_doc & (segment_ids != 0)
 
 
-def _soft_cross_entropy(draft, hidden, teacher_logits, mask, offset, temperature, chunk):
+def _soft_cross_entropy(draft, shared, hidden, teacher_logits, mask, offset, temperature, chunk):
     """Sums over `mask` of the soft cross-entropy and of top-1 agreement, chunk by chunk: draft
     logits of hidden[t] against the teacher at t + offset (restricted to the draft vocabulary)."""
     b, t, _ = hidden.shape
@@ -158,14 +160,14 @@ def _soft_cross_entropy(draft, hidden, teacher_logits, mask, offset, temperature
     pad = n * chunk - t
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     mask = jnp.pad(mask, ((0, 0), (0, pad)))
-    ids = draft.target_ids[...]
 
     @jax.checkpoint
     def one(c):
         start = c * chunk
         rows = jnp.minimum(start + offset + jnp.arange(chunk), t - 1)
-        teacher = jnp.take(teacher_logits, rows, axis=1)[..., ids] / temperature
-        logits = draft.draft_logits(jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1))
+        teacher = draft.from_target_vocab(jnp.take(teacher_logits, rows, axis=1)) / temperature
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
+        logits = draft.draft_logits(h, shared)
         m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
         p = jax.nn.softmax(teacher, axis=-1)
         ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
@@ -177,8 +179,8 @@ def _soft_cross_entropy(draft, hidden, teacher_logits, mask, offset, temperature
 
 
 def draft_loss(
-    draft: Eagle3Draft,
-    embed: Float[Array, "v d"],
+    draft: OneLayerDraft,
+    shared: Shared,
     taps: Float[Array, "taps b t d"],
     teacher_logits: Float[Array, "b t v"],
     tokens: Int[Array, "b t"],
@@ -194,14 +196,14 @@ def draft_loss(
 ) -> DraftLossOut:
     """The training-time-test loss (module docstring). Inputs are detached here: the draft never
     back-propagates into the policy."""
-    embed, taps, teacher_logits = map(jax.lax.stop_gradient, (embed, taps, teacher_logits))
-    hiddens = draft_passes(draft, embed, taps, tokens, segment_ids, positions, steps, mesh)
+    shared, taps, teacher_logits = jax.lax.stop_gradient((shared, taps, teacher_logits))
+    hiddens = draft_passes(draft, shared, taps, tokens, segment_ids, positions, steps, mesh)
     losses, agreement = [], None
     for i, hidden in enumerate(hiddens):
         mask = pass_targets(response, segment_ids, i)
         count = jnp.maximum(mask.sum(), 1)
         ce, agree = _soft_cross_entropy(
-            draft, hidden, teacher_logits, mask, 1 + i, temperature, chunk
+            draft, shared, hidden, teacher_logits, mask, 1 + i, temperature, chunk
         )
         losses.append(ce / count)
         agreement = agree / count if i == 0 else agreement

@@ -1,6 +1,6 @@
 """The train step: one jitted program that updates the policy and the draft together.
 
-    policy forward on the packed rollouts (training forward, taps=True)
+    policy forward on the packed rollouts (training forward, with the draft's features)
       -> per-token log-probabilities at the sampling temperature -> GRPO loss (or SFT)
       -> draft loss on the same forward's detached taps and logits (`draft_loss`: the trunk
          pass and the training-time test's branch passes), on `rl.draft_rows` of the rows
@@ -19,6 +19,7 @@ import optax
 
 from jspec import mesh as mesh_lib
 from jspec.config import RLConfig, RolloutConfig
+from jspec.models.draft import Shared
 from jspec.rl import grpo
 from jspec.rl.draft_loss import draft_loss
 from jspec.rl.packing import PackedBatch
@@ -42,7 +43,8 @@ def make_loss(
     def losses(trainable, fixed, reference, batch: PackedBatch):
         params = {**trainable, **jax.tree.map(jax.lax.stop_gradient, fixed)}
         policy, draft = networks.models(params)
-        out = policy(batch.tokens, batch.segment_ids, batch.positions, taps=draft is not None)
+        features = None if draft is None else draft.features
+        out = policy(batch.tokens, batch.segment_ids, batch.positions, features=features)
         logits, taps = out if draft is not None else (out, None)
         logp = grpo.token_logprobs(logits, batch.tokens, temperature)
         if objective == "sft":
@@ -66,7 +68,7 @@ def make_loss(
         rows = rl.draft_rows if objective == "grpo" else 0
         d = draft_loss(
             draft,
-            policy.embed[...],
+            Shared.of(policy),
             *_draft_rows(
                 rows,
                 networks.mesh,

@@ -40,7 +40,7 @@ from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig, TreeConfig
 from jspec.models.cache import TreeKV
-from jspec.models.draft import Draft, DraftOut, check_target
+from jspec.models.draft import Draft, DraftOut, Shared, check_target
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
@@ -258,8 +258,8 @@ def rollout(
     lengths = jnp.asarray(lengths, jnp.int32)
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
-    embed = target.embed[...]  # in the compute dtype (`for_rollout`)
-    start = functools.partial(_start, target, draft, embed, config, t + m)
+    shared = Shared.of(target)  # in the compute dtype (`for_rollout`)
+    start = functools.partial(_start, target, draft, shared, config, t + m)
     chunk = refill_rows(config, b, p, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     shards = row_shards(target.mesh)
@@ -292,7 +292,7 @@ def rollout(
     first = lambda i, s: fill(s, jnp.minimum(i * chunk + jnp.arange(chunk), b))
     state = jax.lax.fori_loop(0, -(-b // chunk), first, state)
     for i, (rows, stage) in enumerate(stage_configs):
-        step = functools.partial(_verify_step, target, draft, embed, stage, i)
+        step = functools.partial(_verify_step, target, draft, shared, stage, i)
         if i:
             state = _compact(state, rows, shards)
         elif b < p:
@@ -329,22 +329,22 @@ def _compact(s: _Loop, rows: int, shards: int) -> _Loop:
     )
 
 
-def _start(target, draft, embed, config: RolloutConfig, max_len: int, prompts, lengths, key):
+def _start(target, draft, shared, config: RolloutConfig, max_len: int, prompts, lengths, key):
     """(`_Rows` of prompts, the roots' log-probabilities): both caches prefilled (for `max_len`
     tokens) and the root sampled."""
     b = prompts.shape[0]
-    uses_taps = draft is not None and draft.uses_taps
+    features = None if draft is None else draft.features
     slots = cache_slots(max_len, target.config.max_seq_len)
     cache = target.init_cache(b, slots)
-    out = target.prefill(prompts, cache, lengths, taps=uses_taps, kernels=config.kernels)
+    out = target.prefill(prompts, cache, lengths, features=features, kernels=config.kernels)
     probs = _sampling_probs(out[0], config)
     root = sample_from_probs(key, probs)
     draft_out = None
     if draft is not None:
-        features = out[2] if uses_taps else None
+        features = out[2] if features else None
         draft_cache = draft.init_cache(b, max_len)
         draft_out = draft.prefill(
-            embed, prompts, lengths, root, features, draft_cache, kernels=config.kernels
+            shared, prompts, lengths, root, features, draft_cache, kernels=config.kernels
         )
     return _Rows(out[1], draft_out, root), _log_at(probs, root)
 
@@ -397,7 +397,7 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     )
 
 
-def _verify_step(target, draft, embed, config: RolloutConfig, stage: int, s: _Loop) -> _Loop:
+def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _Loop) -> _Loop:
     """Draft a tree, verify it in one target forward, emit, and advance both caches (statistics
     of stage `stage`)."""
     b, m = s.done.shape[0], s.tokens.shape[1]
@@ -407,12 +407,12 @@ def _verify_step(target, draft, embed, config: RolloutConfig, stage: int, s: _Lo
         empty = jnp.zeros((b, 0), jnp.int32)
         tree = Tree(empty, empty, empty)
     else:
-        tree = propose(draft, embed, s.rows.draft, tree_key, config)
+        tree = propose(draft, shared, s.rows.draft, tree_key, config)
     layout = branch_layout(tree, root, cache.length - 1)
     positions = cache.length[:, None] + layout.depth
     nodes = (layout.tokens, positions, layout.anchor, layout.parent)
-    taps = draft is not None and draft.uses_taps
-    out = target.branch_forward(cache, *nodes, taps=taps, kernels=config.kernels)
+    features = None if draft is None else draft.features
+    out = target.branch_forward(cache, *nodes, features=features, kernels=config.kernels)
     logits, k, v = out[:3]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = tree.verify(verify_key, logits, **sampling)
@@ -438,8 +438,9 @@ def _verify_step(target, draft, embed, config: RolloutConfig, stage: int, s: _Lo
     cache = cache.append(pick(k), pick(v), count)
     draft_out = s.rows.draft
     if draft is not None:
-        features = pick(out[3]) if draft.uses_taps else None
-        new = draft.extend(embed, emitted, features, count, draft_out.cache, kernels=config.kernels)
+        features = pick(out[3]) if features else None
+        cache_d, kernels = draft_out.cache, config.kernels
+        new = draft.extend(shared, emitted, features, count, cache_d, kernels=kernels)
         keep = (count > 0)[:, None]
         draft_out = DraftOut(
             jnp.where(keep, new.logits, draft_out.logits),
@@ -541,7 +542,7 @@ def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
     return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
 
 
-def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> Tree:
+def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutConfig) -> Tree:
     """The draft's tree below the root, as `config.tree` describes it."""
     tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
     b = root.logits.shape[0]
@@ -558,7 +559,7 @@ def propose(draft: Draft, embed, root: DraftOut, key, config: RolloutConfig) -> 
         parent_hidden = jnp.take_along_axis(carry.hidden, slot, axis=1)
         parent = jnp.where(frontier.parent_slot >= 0, carry.previous + frontier.parent_slot, -1)
         logits, hidden, k, v, anchor = draft.tree_step(
-            embed,
+            shared,
             frontier.tokens,
             parent_hidden,
             frontier.depth,

@@ -95,11 +95,11 @@ def test_training_time_test_passes_are_the_draft_at_inference(kind):
 
 
 @functools.cache
-def loss_and_gradients(context: int):
+def loss_and_gradients(context: int, kind: str = "eagle3"):
     """Policy and draft losses and gradients of one packed batch on a mesh with `context` ranks
     (and data=2), documents aligned for cp = 4 so every mesh reads the same rows."""
     mesh = mesh_lib.make_mesh(MeshConfig(data=2, context=context), jax.devices()[: 2 * context])
-    nets, params = networks(mesh)
+    nets, params = networks(mesh, kind)
     loss = make_loss(nets, RL, ROLLOUT, num_sequences=8)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     grads, metrics = jax.jit(jax.grad(loss, has_aux=True))(
@@ -108,9 +108,11 @@ def loss_and_gradients(context: int):
     return jax.device_get((grads, metrics["draft_loss"], metrics["policy_loss"]))
 
 
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp):
-    (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1), loss_and_gradients(cp)
+@pytest.mark.parametrize(
+    "cp, kind", [(2, "eagle3"), (2, "mtp"), pytest.param(4, "eagle3", marks=pytest.mark.slow)]
+)
+def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp, kind):
+    (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1, kind), loss_and_gradients(cp, kind)
     close(dc, d1)
     close(pc, p1)
     close_trees(gc, g1)

@@ -102,7 +102,10 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     train_code_lm.main([*ARGS, "--draft-kind", "mtp", "--run-dir", str(tmp_path)])
     shipped, target = hf.load(tmp_path / "mtp"), hf.load(tmp_path / "target")
     np.testing.assert_array_equal(shipped.embed[...], target.embed[...])
-    head = hf_mtp.load(tmp_path / "mtp", target.config)
+    bench = argparse.Namespace(
+        trained=tmp_path, prompt_len=16, batches=[1], prompts_per_row=1, acceptance_rows=2
+    )
+    _, head, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
     assert head.features == "final" and not (tmp_path / "draft").exists()
     assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1
     report = json.loads((tmp_path / "report.json").read_text())

@@ -55,7 +55,7 @@ from jspec.bench.kernel_profile import loop_kernels
 from jspec.bench.timing import best_time, log, loop_seconds
 from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
-from jspec.models import create, hf, hf_eagle3
+from jspec.models import create, hf, hf_eagle3, hf_mtp
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.sampler import compile_generate, generate, generation
 from jspec.sampler.tree_choice import StepCosts, choose_tree
@@ -491,6 +491,7 @@ def provenance(args) -> dict:
     return dict(
         temperature=args.temperature,
         draft="trained offline by jspec.jobs.train_code_lm",
+        draft_kind=report["args"].get("draft_kind", "eagle3"),
         draft_steps=report["args"]["draft_steps"],
         draft_top1_agreement=round(report["draft_top1_agreement"], 3),
     )
@@ -541,11 +542,15 @@ def random_models(args, dtype: str | None = None):
 
 
 def trained(args, dtype: str = "bfloat16"):
-    """Target and draft of `jspec.jobs.train_code_lm` in `dtype`, and prompts: the first
-    `--prompt-len` tokens of each held-out file that has that many (rows repeat files if needed)."""
+    """Target and draft (EAGLE-3, or an MTP head) of `jspec.jobs.train_code_lm` in `dtype`, and
+    prompts: the first `--prompt-len` tokens of each held-out file that has that many (rows repeat
+    files if needed)."""
     run = pathlib.Path(args.trained)
     target = hf.load(run / "target", dtype=dtype)
-    draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
+    if (run / "mtp").is_dir():  # train_code_lm --draft-kind mtp: the head beside the target
+        draft = hf_mtp.load(run / "mtp", target.config)
+    else:
+        draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
     eos = json.loads((run / "report.json").read_text())["eos_token"]
     tok = HFTokenizer(run / "tokenizer.json", eos)
     texts = json.loads((run / "heldout.json").read_text())

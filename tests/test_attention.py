@@ -20,6 +20,7 @@ from jspec.attention import (
     context_parallel_attention,
     decode,
     pallas_decode,
+    pallas_tpu_decode,
     reference_attention,
     ring_attention,
     zigzag,
@@ -302,14 +303,16 @@ SMALL_TILING = pallas_decode.Tiling(block_k=16, target_programs=4 * 3 * HKV)
         ("decode", True, decode.DecodeOptions(backend="xla", chunk=24, summed_pairs=0)),
         ("xla", True, None),
         ("decode", True, decode.DecodeOptions(backend="pallas_interpret", tiling=SMALL_TILING)),
+        ("decode", True, decode.DecodeOptions(backend="pallas_tpu_interpret")),
     ],
 )
 def test_decode_impl_matches_reference(impl, heads_major, options):
     """impl='decode' (rollouts): decode queries, and a verification tree over a packed cache,
     values and gradients; a small chunk exercises the online softmax across cache chunks. A
     heads-major cache (`heads_major`, [B,Hkv,S,D]) gives the same, on every path. The Pallas
-    trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row. The
-    tree's part is summed in place, or (`summed_pairs` 0) computed as matrix products."""
+    trunk (interpreted) runs in blocks of 16 slots over several splits of the cache per row; the
+    TPU kernel (interpreted) pads the cache to its one block of 128 slots. The tree's part is
+    summed in place, or (`summed_pairs` 0) computed as matrix products."""
     rng = np.random.default_rng(11)
     b, s, n = 3, 80, 7
     seg, pos = packed_rows(rng, b, s, 4)
@@ -609,6 +612,25 @@ def test_ring_in_a_layer_scan_keeps_no_buffer_of_all_tiles():
 def test_check_alignment_accepts_aligned_rows():
     seg = jnp.asarray([[1] * 8 + [2] * 4 + [0] * 4])
     zigzag.check_alignment(seg, 2)
+
+
+def test_pallas_tpu_decode_kernel_folds_only_filled_blocks():
+    """The TPU kernel (interpreted) over caches of several of its 128-slot blocks, rows filled to
+    different depths (the blocks past a row's last filled slot are skipped), and a tree: the state
+    of the XLA path, which reads every slot."""
+    rng = np.random.default_rng(12)
+    b, s, n = 3, 3 * pallas_tpu_decode.BLOCK_K, 5
+    seg, pos = packed_rows(rng, b, s, 4)
+    seg = seg * (jnp.arange(s) < jnp.array([[40], [200], [s]]))  # 1, 2 and 3 filled blocks
+    k, v = normal(rng, b, HKV, s, D), normal(rng, b, HKV, s, D)
+    qg = normal(rng, b, 2, HKV, HQ // HKV, D)
+    q_seg, q_pos = seg[:, :2], jnp.full((b, 2), s, jnp.int32)
+    bk, bv = normal(rng, b, HKV, n, D), normal(rng, b, HKV, n, D)
+    seen = jnp.asarray(rng.random((b, 2, n)) < 0.6)
+    args = (qg, q_seg, q_pos, k, v, seg, pos, (bk, bv, seen))
+    got = pallas_tpu_decode.kernel_state(*args, scale=D**-0.5, interpret=True)
+    want = decode.xla_state(*args, scale=D**-0.5)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("dtype, batch, queries", [(jnp.bfloat16, 4, 5), (jnp.float32, 1, 40)])

@@ -228,6 +228,9 @@ def test_a_topology_compiles_both_programs_with_the_tpu_compiler(capsys, planner
     assert result.train.peak > result.parameters + result.optimizer
     assert result.rollout.peak > result.rollout.arguments >= result.parameters
     assert result.train.flops > 0 and result.rollout.flops > 0
+    # The rollout's few-query attention compiled by Mosaic, the Pallas TPU kernel, not XLA's path.
+    assert result.kernels == ("jspec_decode_trunk_tpu",), result.kernels
+    assert lines[-1].split() == ["Pallas", "kernels", "jspec_decode_trunk_tpu"], lines[-1]
 
 
 @needs_libtpu

@@ -25,16 +25,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import masks, pallas_decode, pallas_gpu
+from jspec.attention import masks, pallas_decode, pallas_gpu, pallas_tpu_decode
 from jspec.attention.blocks import _finish, round_up
 
 CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds the score buffer
 # (query row, tree node) pairs per row up to which the tree's part is summed in place (`_branch`):
 # verifying up to 11 nodes, the root and a tree of 10 (a chain of 6 with 4 siblings, a dynamic 8)
 SUMMED_PAIRS = 128
-# What folds the cache in: "auto" (the Pallas kernel on a GPU, XLA elsewhere), "xla", "pallas", or
-# "pallas_interpret" (the kernel in Pallas' interpreter: slow, for tests on the CPU).
-BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+# What folds the cache in: "auto" (the Pallas kernel on a GPU or a TPU, XLA elsewhere), "xla",
+# "pallas" (NVIDIA GPUs), "pallas_tpu", or either kernel in Pallas' interpreter ("pallas_interpret",
+# "pallas_tpu_interpret": slow, for tests on the CPU).
+BACKENDS = ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +108,14 @@ def decode_attention(
     if backend == "xla":
         state = xla(*args)
     else:
+        tpu = backend.startswith("pallas_tpu")
         state = pallas_decode.attention_state(
             *args,
             xla,
             scale=scale,
-            interpret=backend == "pallas_interpret",
+            interpret=backend.endswith("interpret"),
             tiling=options.tiling,
+            kernel_state=pallas_tpu_decode.kernel_state if tpu else pallas_decode.kernel_state,
         )
     out, _ = _finish(*state)
     return out.reshape(b, r, hq, d)
@@ -174,9 +177,11 @@ def cache_slots(tokens: int, limit: int | None = None) -> int:
 
 def attention_backend(backend: str, head_dim: int) -> str:
     """What folds the cache and the tree's keys in: `backend`, with "auto" the Pallas kernel on an
-    NVIDIA GPU that can run it and XLA elsewhere."""
+    NVIDIA GPU that can run it, the TPU kernel on a TPU, and XLA elsewhere."""
     if backend != "auto":
         return backend
+    if jax.default_backend() == "tpu":
+        return "pallas_tpu"
     return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"
 
 

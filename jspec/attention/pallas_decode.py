@@ -202,10 +202,11 @@ def attention_state(
     scale: float,
     interpret: bool = False,
     tiling: Tiling = TILING,
+    kernel_state=kernel_state,
 ) -> State:
     """The state (m, l, acc) [B,R,K,G(,D)] of the queries qg after every cache slot and branch key
-    they see, by the kernel cut as `tiling` says; gradients by `xla_state` (same arguments, same
-    result, plain XLA)."""
+    they see, by the kernel (`kernel_state`: this GPU one, cut as `tiling` says, or
+    `pallas_tpu_decode`'s); gradients by `xla_state` (same arguments, same result, plain XLA)."""
 
     kernel = functools.partial(kernel_state, scale=scale, interpret=interpret, tiling=tiling)
 

@@ -9,7 +9,14 @@ from jspec.config.model import ModelConfig
 
 _TREE_KINDS = ("chain", "static", "dynamic")
 _DRAFT_KINDS = ("eagle3", "mtp", "external", "none")
-_DECODE_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+_DECODE_BACKENDS = (
+    "auto",
+    "xla",
+    "pallas",
+    "pallas_interpret",
+    "pallas_tpu",
+    "pallas_tpu_interpret",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +141,9 @@ class KernelConfig:
     Up to `few_queries` queries per row (a decoded token, a verified tree) take the few-query path
     (`impl="decode"`: one read of the cache for all queries of a row); longer prefills take the
     block kernels (0: always the block kernels). The few-query path folds the cache in on
-    `decode_backend`: 'auto' the Pallas kernel on an NVIDIA GPU that can run it and XLA elsewhere,
-    'xla', 'pallas', or 'pallas_interpret' (the kernel in Pallas' interpreter: slow, for tests on
+    `decode_backend`: 'auto' the Pallas kernel on an NVIDIA GPU that can run it, the Pallas TPU
+    kernel on a TPU, and XLA elsewhere; 'xla', 'pallas' (NVIDIA GPUs), 'pallas_tpu', or either
+    kernel in Pallas' interpreter ('pallas_interpret', 'pallas_tpu_interpret': slow, for tests on
     the CPU).
     """
 

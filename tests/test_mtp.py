@@ -126,6 +126,12 @@ def test_checkpoints_it_cannot_read_are_refused_by_name(saved, tmp_path):
         hf.CheckpointError, match=r"MTP-like tensors found: \['model.layers.2.eh_pr"
     ):
         hf_mtp.load(trunk, TARGET)
+    partial = shutil.copytree(path, tmp_path / "partial")
+    index = hf.read_json(partial / hf.INDEX)
+    del index["weight_map"]["model.mtp_layers.0.final_layernorm.weight"]
+    (partial / hf.INDEX).write_text(json.dumps(index))
+    with pytest.raises(hf.CheckpointError, match=r"'model.mtp_layers.0.final_layernorm.weight' of"):
+        hf_mtp.load(partial, TARGET)
     biased = shutil.copytree(path, tmp_path / "biased")
     add_tensors(biased, {"model.mtp_layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)})
     with pytest.raises(hf.CheckpointError, match=r"does not hold: \['model.mtp_layers.0.self_attn"):

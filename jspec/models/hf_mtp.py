@@ -50,6 +50,20 @@ _KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
 _OTHER_LAYOUTS = re.compile(r"(^|\.)(eh_proj|enorm|hnorm|shared_head)\.|mtp")
 
 
+class _Reader(hf._Reader):
+    """The head's tensors; a missing one is named as the head's, not with the trunk loader's hint
+    (num_hidden_layers, tie_word_embeddings), which does not apply to a head."""
+
+    def tensor(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+        if key not in self.where:
+            raise hf.CheckpointError(
+                f"tensor {key!r} of the MTP head is missing from {self.source}: the head's weights "
+                "are incomplete; re-export the policy with its head (hf_mtp.save writes every "
+                "tensor)."
+            )
+        return super().tensor(key, shape)
+
+
 def _key(path: tuple[str, ...], index: int) -> tuple[str, int | None]:
     key, n_in = _KEYS[path]
     return f"{PREFIX.format(index=index)}.{key}", n_in
@@ -72,7 +86,7 @@ def load(
     np_dtype = np.dtype(target.param_dtype)
     values: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        reader = hf._Reader(root, target, stack)
+        reader = _Reader(root, target, stack)
         _check_layout(root, reader.where, index, state)
         for keys, var in nnx.to_flat_state(state):
             key, n_in = _key(keys, index)

@@ -340,16 +340,18 @@ def program(problem: CodeProblem, response: str, marker: str) -> str:
     return problem.prompt + response + "\n" + HARNESS.format(tests=tests, marker=marker)
 
 
-def score(problems: Sequence[CodeProblem], responses: Sequence[str]) -> np.ndarray:
+def score(
+    problems: Sequence[CodeProblem], responses: Sequence[str], *, timeout_s: float = TIMEOUT_S
+) -> np.ndarray:
     """The fraction of its problem's hidden tests each response passes, run all in parallel: 0.0
-    when the program does not run to its end (a syntax error, a crash, a hang, memory). A response
-    given to the same problem more than once (a group's answers often agree, word for word) runs
-    once and each copy gets its score."""
+    when the program does not run to its end within `timeout_s` (a syntax error, a crash, a hang,
+    memory). A response given to the same problem more than once (a group's answers often agree,
+    word for word) runs once and each copy gets its score."""
     pairs = list(zip(problems, responses, strict=True))
     distinct = list(dict.fromkeys(pairs))
     markers = [secrets.token_hex(16) for _ in distinct]
     programs = [program(p, r, m) for (p, r), m in zip(distinct, markers, strict=True)]
-    outcomes = sandbox.run_many(programs, timeout_s=TIMEOUT_S)
+    outcomes = sandbox.run_many(programs, timeout_s=timeout_s)
     scored = {}
     for (p, r), outcome, marker in zip(distinct, outcomes, markers, strict=True):
         passed = re.findall(rf"^{marker} (\d+)$", outcome.stdout, re.MULTILINE)

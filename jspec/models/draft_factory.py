@@ -65,11 +65,10 @@ def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: 
             layer = Eagle3Config.for_target(target.config, config.vocab_size)
             draft = create_eagle3(layer, mesh=mesh, seed=seed)
     elif config.kind == "mtp":
-        head = MTPConfig.for_target(target.config)
         draft = (
-            hf_mtp.load(config.path, target.config, mesh, seed=seed)
+            hf_mtp.load(config.path, target.config, mesh)
             if config.path is not None
-            else create_mtp(head, mesh=mesh, seed=seed)
+            else create_mtp(MTPConfig.for_target(target.config), mesh=mesh, seed=seed)
         )
     elif config.path is not None:
         draft = ExternalDraft(hf.load(config.path, mesh=mesh, **run))

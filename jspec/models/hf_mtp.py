@@ -75,13 +75,12 @@ def load(
     mesh: Mesh | None = None,
     *,
     index: int = 0,
-    seed: int = 0,
 ) -> MTPDraft:
     """Head `index` of the policy directory `path` as an `MTPDraft` for `target` (its layer
     config: the target's, in the target's dtypes), placed by its logical axes on `mesh`."""
     root = pathlib.Path(path)
     config = MTPConfig.for_target(target)
-    make = lambda: MTPDraft(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    make = lambda: MTPDraft(config, rngs=nnx.Rngs(0), mesh=mesh)  # shapes only
     graphdef, state = nnx.split(nnx.eval_shape(make))
     np_dtype = np.dtype(target.param_dtype)
     values: dict[str, Any] = {}

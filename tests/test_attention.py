@@ -1,4 +1,5 @@
-"""jspec.attention against the dense reference: one device and the ring for cp in 1, 2, 4, 8.
+"""jspec.attention against the dense reference: one device and the ring for cp in 1, 2, 4, 8, on
+the XLA blocks and (cp 1, 2, 4) on the Pallas TPU kernel in the interpreter.
 
 Error is max |x - ref| / max |ref| over outputs and every gradient, in float32, under 1e-5.
 """
@@ -20,6 +21,7 @@ from jspec.attention import (
     context_parallel_attention,
     decode,
     pallas_decode,
+    pallas_tpu,
     pallas_tpu_decode,
     reference_attention,
     ring_attention,
@@ -32,6 +34,13 @@ TOL = 1e-5
 HQ, HKV, D = 4, 2, 8
 AUTO = jax.sharding.AxisType.Auto
 BLOCKS = dict(block_q=16, block_k=16)
+TPU = dict(impl="pallas_tpu_interpret", tiles=pallas_tpu.Tiles(16, 16))
+
+
+def kernels(*cases):
+    """pytest params (cp, kernel arguments): the XLA blocks, and the TPU kernel for cp in "tpu"."""
+    xla = [pytest.param(cp, BLOCKS, id=f"xla-cp{cp}") for cp in cases[0]]
+    return xla + [pytest.param(cp, TPU, id=f"tpu-cp{cp}") for cp in cases[1]]
 
 
 def packed_rows(rng, b, t, align):
@@ -83,29 +92,29 @@ def context_mesh(cp):
     return jax.make_mesh((8 // cp, cp), ("data", "context"), axis_types=(AUTO, AUTO))
 
 
-def both(cp, seg, pos):
+def both(cp, seg, pos, kernel=BLOCKS):
     """The reference and the implementation under test for self-attention over packed rows."""
     ref = functools.partial(reference_attention, segment_ids=seg, positions=pos)
     if cp == 1:
-        impl = functools.partial(attention, segment_ids=seg, positions=pos, **BLOCKS)
+        impl = functools.partial(attention, segment_ids=seg, positions=pos, **kernel)
     else:
         impl = functools.partial(
             context_parallel_attention,
             segment_ids=seg,
             positions=pos,
             mesh=context_mesh(cp),
-            **BLOCKS,
+            **kernel,
         )
     return ref, impl
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4, 8])
-def test_trunk_packed_gqa(cp):
+@pytest.mark.parametrize("cp, kernel", kernels([1, 2, 4, 8], [1, 2, 4]))
+def test_trunk_packed_gqa(cp, kernel):
     rng = np.random.default_rng(cp)
     b, t = 2, 128
     seg, pos = packed_rows(rng, b, t, 2 * cp)
     q, k, v = normal(rng, b, t, HQ, D), normal(rng, b, t, HKV, D), normal(rng, b, t, HKV, D)
-    ref, impl = both(cp, seg, pos)
+    ref, impl = both(cp, seg, pos, kernel)
     want = value_and_grads(ref, q, k, v, None, None)
     got = value_and_grads(impl, q, k, v, None, None)
     assert_close(got, want)
@@ -123,15 +132,19 @@ def ttt_branch(rng, seg, steps):
     return bqkv, lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent, query_nodes)
 
 
-@pytest.mark.parametrize("cp, steps", [(1, 1), (1, 6), (2, 2), (2, 6), (4, 3), (8, 1), (8, 6)])
-def test_training_time_test_steps(cp, steps):
+@pytest.mark.parametrize(
+    "cp, steps, kernel",
+    [(cp, s, BLOCKS) for cp, s in [(1, 1), (1, 6), (2, 2), (2, 6), (4, 3), (8, 1), (8, 6)]]
+    + [(cp, s, TPU) for cp, s in [(1, 6), (2, 2), (4, 3)]],
+)
+def test_training_time_test_steps(cp, steps, kernel):
     """Each step is one call with the branch K/V of steps 1..s and the queries of step s only."""
     rng = np.random.default_rng(10 * cp + steps)
     b, t = 2, 64
     seg, pos = packed_rows(rng, b, t, 2 * cp)
     k, v = normal(rng, b, t, HKV, D), normal(rng, b, t, HKV, D)
     bqkv, make = ttt_branch(rng, seg, steps)
-    ref, impl = both(cp, seg, pos)
+    ref, impl = both(cp, seg, pos, kernel)
     want = value_and_grads(ref, None, k, v, bqkv, make)
     got = value_and_grads(impl, None, k, v, bqkv, make)
     assert_close(got, want)
@@ -157,8 +170,8 @@ def random_tree(rng, b, n, seg):
     return jnp.asarray(anchor), jnp.asarray(parent)
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4, 8])
-def test_random_trees_with_trunk(cp):
+@pytest.mark.parametrize("cp, kernel", kernels([1, 2, 4, 8], [1, 2, 4]))
+def test_random_trees_with_trunk(cp, kernel):
     rng = np.random.default_rng(100 + cp)
     b, t, n = 2, 64, 64
     seg, pos = packed_rows(rng, b, t, 2 * cp)
@@ -166,7 +179,7 @@ def test_random_trees_with_trunk(cp):
     anchor, parent = random_tree(rng, b, n, seg)
     bqkv = (normal(rng, b, n, HQ, D), normal(rng, b, n, HKV, D), normal(rng, b, n, HKV, D))
     make = lambda bq, bk, bv: Branch(bq, bk, bv, anchor, parent)  # noqa: E731
-    ref, impl = both(cp, seg, pos)
+    ref, impl = both(cp, seg, pos, kernel)
     want = value_and_grads(ref, q, k, v, bqkv, make)
     got = value_and_grads(impl, q, k, v, bqkv, make)
     assert_close(got, want)

@@ -228,9 +228,16 @@ def test_a_topology_compiles_both_programs_with_the_tpu_compiler(capsys, planner
     assert result.train.peak > result.parameters + result.optimizer
     assert result.rollout.peak > result.rollout.arguments >= result.parameters
     assert result.train.flops > 0 and result.rollout.flops > 0
-    # The rollout's few-query attention compiled by Mosaic, the Pallas TPU kernel, not XLA's path.
-    assert result.kernels == ("jspec_decode_trunk_tpu",), result.kernels
-    assert lines[-1].split() == ["Pallas", "kernels", "jspec_decode_trunk_tpu"], lines[-1]
+    # Attention compiled by Mosaic, the Pallas TPU kernels, not XLA's path: the block kernels of
+    # the train step (forward and both backward kernels) and the rollout's few-query kernel.
+    kernels = ("jspec_attention_dkdv_tpu", "jspec_attention_dq_tpu", "jspec_attention_fwd_tpu")
+    assert result.kernels == (*kernels, "jspec_decode_trunk_tpu"), result.kernels
+    assert lines[-1].split() == [
+        "Pallas",
+        "kernels",
+        *(k + "," for k in kernels),
+        "jspec_decode_trunk_tpu",
+    ]
 
 
 @needs_libtpu

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jspec.attention import masks
 
@@ -51,6 +51,39 @@ def may_see(q: TileRanges, k: TileRanges) -> Array:
     return (q.seg_lo <= k.seg_hi) & (k.seg_lo <= q.seg_hi) & (k.pos_lo <= q.pos_hi)
 
 
+def tile_visibility(
+    q_seg: Int[Array, "b tq"],
+    q_pos: Int[Array, "b tq"],
+    k_seg: Int[Array, "b tk"],
+    k_pos: Int[Array, "b tk"],
+    block_q: int,
+    block_k: int,
+) -> tuple[Bool[Array, "b nq nk"], Bool[Array, "b nq nk"]]:
+    """Per row and (query tile, key tile): whether some query may see some key (`may_see` on the
+    row's own ranges), and whether every query sees every key (one segment, no padding, keys
+    before queries: the tile needs no mask). The Pallas kernels' plans are made of these."""
+
+    def ranges(seg, pos, block):
+        r = jax.vmap(lambda s, p: tile_ranges(s[None], p[None], block))(seg, pos)
+        return r, (seg.reshape(seg.shape[0], -1, block) == 0).any(-1)
+
+    qr, qpad = ranges(q_seg, q_pos, block_q)
+    kr, kpad = ranges(k_seg, k_pos, block_k)
+    qe = TileRanges(*(x[:, :, None] for x in qr))
+    ke = TileRanges(*(x[:, None, :] for x in kr))
+    see = may_see(qe, ke)
+    full = (
+        see
+        & ~qpad[:, :, None]
+        & ~kpad[:, None, :]
+        & (qe.seg_lo == qe.seg_hi)
+        & (ke.seg_lo == ke.seg_hi)
+        & (qe.seg_lo == ke.seg_lo)
+        & (ke.pos_hi <= qe.pos_lo)
+    )
+    return see, full
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -61,6 +94,11 @@ def pad_rows(x, length: int):
     if pad == 0:
         return x
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def empty_acc(q: Float[Array, "b tq hq d"]):
+    """The running (output, lse) of queries that have seen nothing yet: (0, -inf), float32."""
+    return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
 
 
 def _finish(m, l, acc):
@@ -119,8 +157,7 @@ def fwd(
     blocks."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
-    if acc is None:
-        acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32))
+    acc = acc or empty_acc(q)
     kr = tile_ranges(k_seg, k_pos, block_k)
     k_xs = (_tiles(k, block_k), _tiles(v, block_k), _tiles(k_seg, block_k), _tiles(k_pos, block_k))
 

@@ -25,14 +25,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import masks, pallas_decode, pallas_gpu, pallas_tpu_decode
+from jspec.attention import masks, pallas_decode, pallas_gpu, pallas_tpu, pallas_tpu_decode
 from jspec.attention.blocks import _finish, round_up
 
 CHUNK = 4096  # cache slots per step of the XLA path's online softmax: bounds the score buffer
 # (query row, tree node) pairs per row up to which the tree's part is summed in place (`_branch`):
 # verifying up to 11 nodes, the root and a tree of 10 (a chain of 6 with 4 siblings, a dynamic 8)
 SUMMED_PAIRS = 128
-# What folds the cache in: "auto" (the Pallas kernel on a GPU or a TPU, XLA elsewhere), "xla",
+# What folds the cache in: "auto" (the Pallas kernel on a GPU or a TPU, XLA elsewhere, or the TPU
+# kernel in a program compiled for a TPU), "xla",
 # "pallas" (NVIDIA GPUs), "pallas_tpu", or either kernel in Pallas' interpreter ("pallas_interpret",
 # "pallas_tpu_interpret": slow, for tests on the CPU).
 BACKENDS = ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret")
@@ -105,18 +106,25 @@ def decode_attention(
         xla_state, scale=scale, chunk=options.chunk, summed_pairs=options.summed_pairs
     )
     backend = attention_backend(options.backend, d)
-    if backend == "xla":
-        state = xla(*args)
-    else:
-        tpu = backend.startswith("pallas_tpu")
-        state = pallas_decode.attention_state(
-            *args,
+
+    def on(kernel):  # the Pallas kernel `kernel` ("pallas..." or "pallas_tpu..."), XLA's gradient
+        return lambda *a: pallas_decode.attention_state(
+            *a,
             xla,
             scale=scale,
-            interpret=backend.endswith("interpret"),
+            interpret=kernel.endswith("interpret"),
             tiling=options.tiling,
-            kernel_state=pallas_tpu_decode.kernel_state if tpu else pallas_decode.kernel_state,
+            kernel_state=pallas_tpu_decode.kernel_state
+            if kernel.startswith("pallas_tpu")
+            else pallas_decode.kernel_state,
         )
+
+    if backend == "xla":
+        state = xla(*args)
+    elif backend == "xla_or_tpu":  # chosen when lowering, as the block kernels' (`ring.py`)
+        state = jax.lax.platform_dependent(*args, tpu=on("pallas_tpu"), default=xla)
+    else:
+        state = on(backend)(*args)
     out, _ = _finish(*state)
     return out.reshape(b, r, hq, d)
 
@@ -177,12 +185,15 @@ def cache_slots(tokens: int, limit: int | None = None) -> int:
 
 def attention_backend(backend: str, head_dim: int) -> str:
     """What folds the cache and the tree's keys in: `backend`, with "auto" the Pallas kernel on an
-    NVIDIA GPU that can run it, the TPU kernel on a TPU, and XLA elsewhere."""
+    NVIDIA GPU that can run it, the TPU kernel on a TPU, and elsewhere "xla_or_tpu": XLA, or the
+    TPU kernel in a program compiled for a TPU (a CPU host compiling for a TPU slice)."""
     if backend != "auto":
         return backend
-    if jax.default_backend() == "tpu":
+    if pallas_tpu.available():
         return "pallas_tpu"
-    return "pallas" if pallas_gpu.available() and pallas_gpu.supports(head_dim) else "xla"
+    if pallas_gpu.available() and pallas_gpu.supports(head_dim):
+        return "pallas"
+    return "xla_or_tpu"
 
 
 def xla_trunk(qg, q_segment_ids, q_positions, k, v, segment_ids, positions, *, scale, chunk: int):

@@ -5,11 +5,11 @@ visibility rule (`masks.visible`) is evaluated inside the kernel from segment id
 no score tile ever leaves the chip.
 
 Skipping. Outside the kernel a small plan is built per row: for every query tile, the key tiles
-that some query may see (`blocks.may_see` on per-row `blocks.tile_ranges`), split into the
-*fully visible* ones (every query sees every key: one segment, no padding, keys before queries)
-and the rest, each kind as runs of consecutive tiles. The kernel loops over the full runs without
-a mask, then over the others with one. Tiles nobody sees are never touched, whatever their order
-(packed documents, zigzag ring shards). The backward's key-tile kernel gets the transposed plan.
+that some query may see, split into the *fully visible* ones and the rest
+(`blocks.tile_visibility`), each kind as runs of consecutive tiles. The kernel loops over the full
+runs without a mask, then over the others with one. Tiles nobody sees are never touched, whatever
+their order (packed documents, zigzag ring shards). The backward's key-tile kernel gets the
+transposed plan.
 
 Kernels (flash-attention 2):
 - forward: one program per (query tile, row, query head), online softmax in base 2;
@@ -95,13 +95,6 @@ def supports(head_dim: int) -> bool:
 # The plan: which tiles each program visits.
 
 
-def _ranges(seg, pos, block):
-    """Per row and tile: `blocks.tile_ranges` of that row alone, and whether it holds padding."""
-    b, t = seg.shape
-    r = jax.vmap(lambda s, p: blocks.tile_ranges(s[None], p[None], block))(seg, pos)
-    return r, (seg.reshape(b, t // block, block) == 0).any(-1)
-
-
 def _runs(x, n_runs):
     """Maximal runs of True along the last axis: their count, starts and stops (n_runs each)."""
     n = x.shape[-1]
@@ -122,20 +115,7 @@ def _plan(q_seg, q_pos, k_seg, k_pos, bq, bk, *, by_key):
     tiles (the key tiles when by_key); runs are of the other kind. Runs, not lists, so that the
     kernel's inner loop walks affine addresses that Triton can pipeline.
     """
-    qr, qpad = _ranges(q_seg, q_pos, bq)
-    kr, kpad = _ranges(k_seg, k_pos, bk)
-    qe = blocks.TileRanges(*(x[:, :, None] for x in qr))
-    ke = blocks.TileRanges(*(x[:, None, :] for x in kr))
-    see = blocks.may_see(qe, ke)
-    full = (
-        see
-        & ~qpad[:, :, None]
-        & ~kpad[:, None, :]
-        & (qe.seg_lo == qe.seg_hi)
-        & (ke.seg_lo == ke.seg_hi)
-        & (qe.seg_lo == ke.seg_lo)
-        & (ke.pos_hi <= qe.pos_lo)
-    )
+    see, full = blocks.tile_visibility(q_seg, q_pos, k_seg, k_pos, bq, bk)
     if by_key:
         see, full = jnp.swapaxes(see, 1, 2), jnp.swapaxes(full, 1, 2)
     r = (see.shape[-1] + 1) // 2  # the most runs a row of n tiles can hold
@@ -496,8 +476,7 @@ def fwd(
     _check(q, k, tiles)
     v = v.astype(k.dtype)
     q = q.astype(k.dtype)
-    if acc is None:
-        acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+    acc = acc or blocks.empty_acc(q)
     return _fwd(
         q,
         k,

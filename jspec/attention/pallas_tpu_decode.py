@@ -23,11 +23,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jspec.attention import blocks, masks
+from jspec.attention import blocks, masks, pallas_tpu
 
 BLOCK_K = 128  # cache slots a program folds in: one lane tile
 _SQ = pl.squeezed
@@ -45,7 +44,7 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, has_branch):
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     q = q_ref[...]
-    fold = functools.partial(_fold, q, scale, m_sc, l_sc, acc_sc)
+    fold = functools.partial(pallas_tpu.fold, q, scale, m_sc, l_sc, acc_sc)
 
     @pl.when(j < live_ref[b])
     def _():
@@ -58,24 +57,6 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, has_branch):
             bk_ref, bv_ref, bseen_ref = branch_refs
             fold(bk_ref[...], bv_ref[...], bseen_ref[...] != 0)
         m_out[...], l_out[...], acc_out[...] = m_sc[...], l_sc[...], acc_sc[...]
-
-
-def _fold(q, scale, m_sc, l_sc, acc_sc, k, v, seen):
-    """Online softmax: keys k and values v [C, D] folded into the scratch state (m, l [T, 1],
-    acc [T, D]) of the queries q [T, D] where `seen` [T, C]."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(seen, s * scale, -jnp.inf)
-    m = m_sc[...]
-    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: p = 0 below
-    p = jnp.exp(s - m_use)
-    corr = jnp.exp(m - m_use)
-    pv = lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    m_sc[...] = m_new
-    l_sc[...] = l_sc[...] * corr + p.sum(axis=-1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * corr + pv
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))

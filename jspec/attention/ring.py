@@ -20,25 +20,40 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jspec.attention import blocks, pallas_gpu
+from jspec.attention import blocks, pallas_gpu, pallas_tpu
 
 
 class Static(NamedTuple):
-    kernel: str  # "xla", "pallas" or "pallas_interpret"
+    kernel: str  # "xla", "xla_or_tpu", "pallas", "pallas_tpu", or a Pallas one + "_interpret"
     axis_name: str | None
     scale: float
     block_q: int
     block_k: int
     branch_rows: tuple[int, int]  # [start, stop) of the branch queries in the query array
-    tiles: pallas_gpu.Tiles | None  # the Pallas kernel's (None: `pallas_gpu.default_tiles`)
+    tiles: pallas_gpu.Tiles | pallas_tpu.Tiles | None  # the Pallas kernel's (None: its default)
 
 
 def _kernel(st: Static):
     """The block forward and backward of the chosen kernel (same signatures)."""
     if st.kernel == "xla":
         return blocks.fwd, blocks.bwd
-    kw = dict(interpret=st.kernel == "pallas_interpret", tiles=st.tiles)
-    return functools.partial(pallas_gpu.fwd, **kw), functools.partial(pallas_gpu.bwd, **kw)
+    if st.kernel == "xla_or_tpu":
+        return _xla_or_tpu(blocks.fwd, pallas_tpu.fwd), _xla_or_tpu(blocks.bwd, pallas_tpu.bwd)
+    module = pallas_tpu if st.kernel.startswith("pallas_tpu") else pallas_gpu
+    kw = dict(interpret=st.kernel.endswith("_interpret"), tiles=st.tiles)
+    return functools.partial(module.fwd, **kw), functools.partial(module.bwd, **kw)
+
+
+def _xla_or_tpu(xla, tpu):
+    """`xla`, or `tpu` (its default tiles) in a program compiled for a TPU: the choice is made when
+    lowering, so a CPU host that compiles for a TPU slice ahead of time gets the TPU kernel."""
+
+    def call(*args, scale, **blocks_kw):
+        on_tpu = lambda *a: tpu(*a, scale=scale)
+        on_xla = lambda *a: xla(*a, scale=scale, **blocks_kw)
+        return jax.lax.platform_dependent(*args, tpu=on_tpu, default=on_xla)
+
+    return call
 
 
 def _ring_size(axis_name):

@@ -33,9 +33,10 @@ With `--topology GENERATION:SHAPE` (v5p:4x4x4, v4:2x2x2, v5e:4x4, v6e:4x4: the g
 the chips along each axis of the slice) the programs are compiled by XLA's TPU compiler instead,
 still on this CPU: libtpu describes the slice's chips as compile-only devices, so no TPU is needed
 and none is touched. The figures are then the TPU compiler's own (though no TPU has run the
-programs); the rollout's few-query attention is the Pallas TPU kernel (`for_tpu`), the rest of
-attention takes its XLA path (the block kernels are GPU-only). The device memory is the chip's HBM
-unless --memory says otherwise. It needs libtpu: `pip install -e '.[tpu]'`.
+programs); attention is the Pallas TPU kernels (`jspec.attention.pallas_tpu`, the block kernels
+of the train step and the prefill, and `pallas_tpu_decode`, the rollout's few-query attention),
+which 'auto' picks when lowering for a TPU. The device memory is the chip's HBM unless --memory
+says otherwise. It needs libtpu: `pip install -e '.[tpu]'`.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Plan(NamedTuple):
     platform: str  # of the compiler that made the figures: "cpu", or "tpu" for a --topology
     device_kind: str  # "cpu", "TPU v5", "TPU v5 lite", ...
     chips: int  # a TPU v4 chip is two devices (its cores), other chips and CPU devices one
-    kernels: tuple[str, ...]  # jspec's Pallas kernels in the compiled rollout
+    kernels: tuple[str, ...]  # jspec's Pallas kernels in the compiled programs
 
 
 def mesh_sizes(text: str | None, default: config_lib.MeshConfig) -> config_lib.MeshConfig:
@@ -375,7 +376,7 @@ def plan(
         devices[0].platform,
         devices[0].device_kind,
         _chips(devices),
-        tuple(sorted(set(re.findall(r"jspec_\w+", roll.as_text())))),
+        tuple(sorted({k for c in (train, roll) for k in re.findall(r"jspec_\w+", c.as_text())})),
     )
 
 
@@ -462,20 +463,9 @@ def report(
     )
 
 
-def for_tpu(cfg: config_lib.Config) -> config_lib.Config:
-    """The config a TPU slice runs: the rollout's few-query attention on the Pallas TPU kernel
-    where it is 'auto' (here, compiling on a CPU host, 'auto' would read the host's backend)."""
-    kernels = cfg.rollout.kernels
-    if kernels.decode_backend != "auto":
-        return cfg
-    kernels = dataclasses.replace(kernels, decode_backend="pallas_tpu")
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, kernels=kernels))
-
-
 def main(argv=None) -> Plan:
     args = parse_args(argv)
     cfg, seq_len = plan_config(args)
-    cfg = cfg if args.topology is None else for_tpu(cfg)
     devices = mesh_devices(args.topology, cfg.mesh)
     memory = device_memory(devices, args.memory, args.topology)
     result = plan(cfg, seq_len, devices, args.rows, args.rollout_batch)

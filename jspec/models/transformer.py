@@ -3,8 +3,9 @@
 One layer body (`Block.__call__`) serves every use; what differs is how it is driven:
 
 - training (`Transformer.__call__`): packed rows, layers scanned (`jax.lax.scan`) under the remat
-  policy of `ModelConfig.remat`; with a context axis in the mesh, rows run in the zigzag order of
-  the ring and attention is `jspec.attention`'s ring (documents padded to 2 * cp);
+  policy of `ModelConfig.remat`; on a mesh, attention is `jspec.attention`'s ring under
+  `shard_map`, and with a context axis the rows run in the zigzag order of the ring (documents
+  padded to 2 * cp);
 - rollout (`prefill`, `decode`, `branch_forward`): layers stepped through in a Python loop that
   indexes the stacked weights, because a scanned stack streams weights 1.7-2.5x slower in decode
   (docs/gpu.md).
@@ -258,6 +259,10 @@ class Transformer(nnx.Module):
             tokens, segment_ids, positions = (
                 zigzag_shard(x, natural_seg, cp) for x in (tokens, segment_ids, positions)
             )
+        if self.mesh is not None and self.mesh.size > 1:
+            # Under shard_map, rows and heads split (one ring step when cp = 1): a Pallas kernel
+            # has no SPMD partitioning rule (Mosaic refuses to compile; for Triton's, XLA would
+            # gather every row and head to every device).
             axes = dict(batch_axis=mesh_lib.RULES["batch"], head_axis=mesh_lib.RULES["act_heads"])
             ring = sharded_ring(self.mesh, mesh_lib.RULES["seq"], **axes)
             attend = lambda q, k, v, seg, pos: ring(q, k, v, seg, pos, None)[0]

@@ -55,7 +55,8 @@ class _Layout:
         axis = mesh_lib.RULES["seq"]
         self.cp = 1 if mesh is None or axis is None else mesh.shape[axis]
         self.mesh, self.natural_seg = mesh, segment_ids
-        if self.cp > 1:
+        self.ring = None
+        if mesh is not None and mesh.size > 1:  # under shard_map, as the model's forward
             self.ring = sharded_ring(
                 mesh,
                 axis,
@@ -79,7 +80,7 @@ class _Layout:
 
     def attend(self, q, k, v, positions, branch=None):
         """(trunk out, branch out) of the layout's attention (one of them may be None)."""
-        if self.cp > 1:
+        if self.ring is not None:
             return self.ring(q, k, v, self.seg, positions, branch)
         out = attention(q, k, v, self.seg, positions, branch=branch)
         return out if branch is not None else (out, None)

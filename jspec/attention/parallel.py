@@ -9,6 +9,7 @@ fixed number of slots per rank.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -171,14 +172,32 @@ def sharded_ring(
 
     def ring(q, k, v, seg, pos, branch):
         args = (q, k, v, seg, pos, branch)
-        out_specs = (None if q is None else heads, None if branch is None else heads)
         in_specs = jax.tree.map(spec, args)
+        if mesh.shape[axis] == 1 and not _divides(mesh, args, in_specs):
+            # One ring step, and rows or heads that do not split evenly: left where XLA puts them.
+            out = ring_attention(q, k, v, seg, pos, axis_name=None, branch=branch, **kernel)
+            return out if branch is not None else (out, None)
+        out_specs = (None if q is None else heads, None if branch is None else heads)
         sharded = jax.shard_map(
             local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
         return sharded(*args)
 
     return ring
+
+
+def _divides(mesh: Mesh, args, specs) -> bool:
+    """Whether every axis of every array splits evenly over the mesh axes its spec names."""
+    names = lambda name: (name,) if isinstance(name, str) else name or ()
+    size = lambda name: math.prod(mesh.shape[n] for n in names(name))
+    pairs = zip(
+        jax.tree.leaves(args),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+        strict=True,
+    )
+    return all(
+        n % size(name) == 0 for x, spec in pairs for n, name in zip(x.shape, spec, strict=False)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

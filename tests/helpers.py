@@ -13,8 +13,9 @@ from flax import nnx
 from jax.scipy.special import gammaincc
 
 from jspec.jobs import train_rl, trainer
+from jspec.models.block import BlockDraft
 from jspec.models.draft import Shared
-from jspec.rl.draft_loss import draft_passes
+from jspec.rl.draft_loss import block_passes, draft_passes
 
 
 def close(got, want, rtol=1e-5):
@@ -61,26 +62,35 @@ def noisy_copy(model, scale: float, seed: int = 0):
 
 
 def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: float = 1e-2):
-    """Trains a one-layer draft's first step (EAGLE-3 or an MTP head) on the target's greedy
-    choices over `sequences` (right-padded rows of `lengths` tokens): draft position t (the
-    target's features at t, embedding of token t + 1) learns the target's argmax at t + 1, by the
-    draft loss's own trunk pass (`draft_passes`). Returns the trained draft."""
+    """Trains a draft on the target's greedy choices over `sequences` (right-padded rows of
+    `lengths` tokens), by the draft loss's own passes: a one-layer draft's first step (EAGLE-3 or
+    an MTP head: position t, the target's features at t with the embedding of token t + 1, learns
+    the target's argmax at t + 1, by `draft_passes`), or every position k = 1, 2, ... of a block
+    draft's block after t (the target's argmax at t + k, by `block_passes`). Returns the trained
+    draft."""
     b, t = sequences.shape
     seg = (jnp.arange(t) < jnp.asarray(lengths)[:, None]).astype(jnp.int32)
     logits, features = target(sequences, seg, features=draft.features)
-    labels = jnp.argmax(jnp.roll(logits, -1, axis=1), axis=-1)  # the target's choice at t + 1
-    mask = (seg * jnp.roll(seg, -1, axis=1)).astype(bool).at[:, -1].set(False)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     shared = Shared.of(target)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
     optimizer = optax.adam(learning_rate)
 
+    def passes(d):
+        if isinstance(d, BlockDraft):
+            return block_passes(d, shared, features, sequences, seg, pos)
+        return draft_passes(d, shared, features, sequences, seg, pos, steps=0)
+
     def loss(params):
         d = nnx.merge(graphdef, params, rest)
-        (hidden,) = draft_passes(d, shared, features, sequences, seg, pos, steps=0)
-        full = d.to_target_vocab(d.draft_logits(hidden, shared))
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(full), labels[..., None], -1)[..., 0]
-        return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
+        total = 0.0
+        for i, hidden in enumerate(passes(d)):  # pass i at t: the target's choice at t + 1 + i
+            labels = jnp.argmax(jnp.roll(logits, -1 - i, axis=1), axis=-1)
+            mask = (seg * jnp.roll(seg, -1 - i, axis=1)).astype(bool) & (jnp.arange(t) < t - 1 - i)
+            full = d.to_target_vocab(d.draft_logits(hidden, shared))
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(full), labels[..., None], -1)[..., 0]
+            total = total + jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
+        return total
 
     @jax.jit
     def step(params, opt_state):

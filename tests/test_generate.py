@@ -28,6 +28,7 @@ from jspec.config import (
 )
 from jspec.mesh import make_mesh
 from jspec.models import Transformer, create
+from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft, create_eagle3
 from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.sampler import generate, sampling_probs
@@ -88,7 +89,8 @@ def setup(target):
     """A target, three partly agreeing drafts, 8 test prompts, an EOS id, and plain greedy
     output."""
     prompts, lengths = random_prompts(8, 5, seed=1)
-    # EAGLE-3 and MTP drafts learn the target's greedy continuations of these prompts and 120 more.
+    # EAGLE-3, MTP and block drafts learn the target's greedy continuations of these prompts and
+    # 120 more.
     more, more_lengths = random_prompts(120, 5, seed=2)
     train_prompts = jnp.concatenate([prompts, more])
     train_lengths = jnp.concatenate([lengths, more_lengths])
@@ -102,6 +104,7 @@ def setup(target):
     drafts = {
         "eagle3": distill(create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)),
         "mtp": distill(create_mtp(MTPConfig.for_target(CONFIG), seed=0)),
+        "block": distill(create_block(BlockConfig.for_target(CONFIG, 4), seed=0)),
         "external": ExternalDraft(noisy_copy(target, 0.1)),
     }
     eos = most_staggered_eos(data.tokens[:8])
@@ -126,6 +129,20 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
     assert not np.asarray(got.stats.failed).any()
     if tree != "chain":
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
+
+
+def test_greedy_with_a_block_draft_equals_plain(setup):
+    """A block draft's chain of 3 (its block of 4 drafted in one forward) gives plain greedy
+    decoding's tokens, and its later positions are accepted too."""
+    s = setup
+    config = greedy(eos_id=s["eos"], tree=TREES["chain"])
+    draft = s["drafts"]["block"]
+    got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
+    np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
+    mean = got.stats.mean_accepted_length()
+    assert 1.5 <= mean < 4, f"mean accepted length {mean}: the draft should agree, in part"
+    assert int(got.stats.reached_depth[2]) > 0, "no third block position accepted"
 
 
 def test_greedy_through_the_pallas_decode_kernel(setup):
@@ -331,6 +348,15 @@ def test_sampling_with_an_mtp_head_is_lossless(small):
     head = create_mtp(MTPConfig.for_target(SMALL), seed=2)
     case = dict(temperature=1.0, top_p=1.0, tree=TreeConfig(kind="chain", depth=2, sampled=True))
     check_lossless((target, head), case, TRIALS)
+
+
+def test_sampling_with_a_block_draft_is_lossless(small):
+    """A random block draft (its block of 3 drafted in one forward from the target's taps, each
+    node drawn from its position's distribution) proposing a sampled chain at temperature 1."""
+    target = small[0]
+    draft = create_block(BlockConfig.for_target(SMALL, 3), seed=2)
+    case = dict(temperature=1.0, top_p=1.0, tree=TreeConfig(kind="chain", depth=2, sampled=True))
+    check_lossless((target, draft), case, TRIALS)
 
 
 def test_lossless_through_the_pallas_decode_kernel(small):

@@ -26,6 +26,7 @@ from jspec.config import (
     RolloutConfig,
 )
 from jspec.models import create
+from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, create_eagle3
 from jspec.pipeline import PipelinedTransformer, Schedule, TapChannel, from_stages
 from jspec.pipeline import create as create_pipelined
@@ -144,18 +145,24 @@ RL = RLConfig(prompts=2, group_size=4, sequences_per_row=2, ttt_steps=0, loss_ch
 ROLLOUT = RolloutConfig(temperature=0.7, eos_id=1)
 
 
+DRAFTS = {  # drafts that read the taps, which cross the stages on the TapChannel
+    "eagle3": lambda mesh: create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1),
+    "block": lambda mesh: create_block(BlockConfig.for_target(MODEL, 4), mesh=mesh, seed=1),
+}
+
+
 @functools.cache
-def cotrain_loss_and_gradients(stages: int):
+def cotrain_loss_and_gradients(stages: int, kind: str):
     """Policy and draft losses and gradients of the co-training loss (`jspec.rl.train.make_loss`,
-    unchanged) with the policy pipelined over `stages` (0: not pipelined, one device)."""
+    unchanged) with the policy pipelined over `stages` (0: not pipelined, one device), the draft
+    of `kind`."""
     mesh = make_mesh(stages) if stages else None
     if stages:
         pipeline = PipelineConfig(stages=stages, microbatches=2)
         policy = create_pipelined(MODEL, pipeline, mesh=mesh, seed=0)
     else:
         policy = create(MODEL, seed=0)
-    draft = create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1)
-    nets, params = Networks.split(policy, draft, mesh)
+    nets, params = Networks.split(policy, DRAFTS[kind](mesh), mesh)
     batch = packing.pack(*random_rollouts(8, 6, 7, MODEL.vocab_size), per_row=2, align=2)
     batch = jax.tree.map(jnp.asarray, batch)
     loss = make_loss(nets, RL, ROLLOUT, num_sequences=8)
@@ -165,8 +172,10 @@ def cotrain_loss_and_gradients(stages: int):
     return jax.device_get((grads, metrics["draft_loss"], metrics["policy_loss"]))
 
 
-def test_cotraining_step_on_a_pipelined_policy_equals_unpipelined():
-    (g1, d1, p1), (gp, dp, pp) = cotrain_loss_and_gradients(0), cotrain_loss_and_gradients(2)
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_cotraining_step_on_a_pipelined_policy_equals_unpipelined(kind):
+    (g1, d1, p1) = cotrain_loss_and_gradients(0, kind)
+    (gp, dp, pp) = cotrain_loss_and_gradients(2, kind)
     close(dp, d1)
     close(pp, p1)
     close_trees(gp, g1)

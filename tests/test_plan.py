@@ -241,6 +241,18 @@ def test_a_topology_compiles_both_programs_with_the_tpu_compiler(capsys, planner
 
 
 @needs_libtpu
+def test_a_mixture_of_experts_compiles_for_a_slice(capsys, planner_env):
+    """The sparse MLP's grouped products are `lax.ragged_dot`, which XLA's TPU compiler lowers
+    itself (on the CPU host jspec picks it, as it would on a TPU)."""
+    moe = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64"]
+    argv = ["--config", "tiny", "--mesh", "data=2,tensor=2", "--seq-len", "128", *moe]
+    result = plan.main([*argv, "rollout.max_new_tokens=16", "--topology", "v5e:2x2"])
+    out = capsys.readouterr().out
+    assert "mixture of experts: 4 of 8 experts per device" in out
+    assert result.platform == "tpu" and result.train.flops > 0 and result.rollout.flops > 0
+
+
+@needs_libtpu
 def test_a_mesh_that_does_not_fit_the_slice_is_refused_before_compiling(monkeypatch, planner_env):
     """A v4 chip is two devices (its cores), so v4:2x2x1's 4 chips are 8 devices to the mesh."""
 

@@ -29,7 +29,8 @@ from jspec.config import (
     TreeConfig,
 )
 from jspec.jobs import train_rl
-from jspec.models import create, hf, hf_mtp
+from jspec.models import create, hf, hf_block, hf_mtp
+from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.rl import packing
@@ -53,6 +54,7 @@ def packed(align: int) -> packing.PackedBatch:
 DRAFTS = {  # the co-trained draft kinds, for MODEL
     "eagle3": lambda mesh: create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1),
     "mtp": lambda mesh: create_mtp(MTPConfig.for_target(MODEL), mesh=mesh, seed=1),
+    "block": lambda mesh: create_block(BlockConfig.for_target(MODEL, 4), mesh=mesh, seed=1),
 }
 
 
@@ -61,7 +63,7 @@ def networks(mesh, draft: str | None = "eagle3"):
     return Networks.split(policy, draft and DRAFTS[draft](mesh), mesh)
 
 
-@pytest.mark.parametrize("kind", DRAFTS)
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])  # the block draft's: tests/test_block.py
 def test_training_time_test_passes_are_the_draft_at_inference(kind):
     """Pass i's hidden state at t is the draft's at depth i of a chain rooted after token t + 1,
     and pass 0's logits are the root's: the branch K/V, anchors, parents, positions and input
@@ -109,7 +111,14 @@ def loss_and_gradients(context: int, kind: str = "eagle3"):
 
 
 @pytest.mark.parametrize(
-    "cp, kind", [(2, "eagle3"), (2, "mtp"), pytest.param(4, "eagle3", marks=pytest.mark.slow)]
+    "cp, kind",
+    [
+        (2, "eagle3"),
+        (2, "mtp"),
+        (2, "block"),
+        (4, "block"),
+        pytest.param(4, "eagle3", marks=pytest.mark.slow),
+    ],
 )
 def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp, kind):
     (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1, kind), loss_and_gradients(cp, kind)
@@ -216,6 +225,20 @@ def test_an_mtp_head_co_trains_and_ships_with_the_policy(tmp_path, cache):
     policy = tmp_path / "export" / "policy"
     head = hf_mtp.load(policy, hf.load(policy).config)
     assert head.features == "final"
+
+
+def test_a_block_draft_co_trains_in_the_loop(tmp_path, cache):
+    """rollout.draft.kind=block: the warm start teaches a fresh block draft (whose top-1
+    agreement is about 1 in the 512 ids) to agree often, RL keeps it agreeing, its chains are
+    accepted beyond the first token, and the export carries it in DFlash's layout."""
+    extra = ("rl.steps=4", "rl.sft_steps=40", "rollout.draft.kind=block")
+    metrics = loop(tmp_path, cache, *extra, "rollout.draft.block_size=5")
+    agreement = [m["agreement"] for m in metrics]
+    assert agreement[0] > 0.1 and np.mean(agreement[-2:]) >= 0.5 * agreement[0], agreement
+    assert all(m["accepted_length"] > 1.2 for m in metrics), metrics
+    export = tmp_path / "export"
+    draft = hf_block.load(export / "draft", hf.load(export / "policy").config)
+    assert draft.config.block_size == 5
 
 
 def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, capsys):

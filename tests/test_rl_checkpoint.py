@@ -210,6 +210,10 @@ def test_the_experiment_runs_each_mode_and_tables_the_ratios(tmp_path, policy_di
     assert table["cotrain"]["agreement_last"] is not None
     # Plain decoding trips its loop once a token after the first, for the longest response.
     assert table["none"]["verify_steps"] >= table["none"]["response_length"] - 1
+    # Per stage, tokens a row emits per trip: at most 1 without speculation (idle rows count).
+    stages = lambda mode: table[mode]["stage_tokens_per_trip"].split(" / ")
+    assert 0 < max(float(x) for x in stages("none") if x != "-") <= 1.0
+    assert len(stages("cotrain")) == len(stages("none"))
     samples = [json.loads(line) for line in (tmp_path / "none-seed0" / "samples.jsonl").open()]
     assert [s["step"] for s in samples] == [0, 0] and all(0 <= s["reward"] <= 1 for s in samples)
     assert (tmp_path / "rl_experiment.png").stat().st_size > 0

@@ -19,9 +19,10 @@ from flax import nnx
 from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.bench import rollout as bench_rollout
-from jspec.config import ConfigError
+from jspec.config import ConfigError, DraftConfig
 from jspec.jobs import train_code_lm, trainer
-from jspec.models import hf, hf_eagle3, hf_mtp
+from jspec.models import draft_factory, hf, hf_eagle3, hf_mtp
+from jspec.models.block import BlockDraft
 
 ARGS = (
     "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
@@ -110,6 +111,24 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1
     report = json.loads((tmp_path / "report.json").read_text())
     assert 0 <= report["draft_top1_agreement"] <= 1
+
+
+def test_a_block_draft_is_trained_and_saved_in_dflashs_layout(tmp_path):
+    """--draft-kind block: the draft stage trains a block draft on the frozen target and writes
+    block/ in DFlash's layout, which RL reads as rollout.draft.path and the rollout benchmark with
+    chains (the layout's round trip is tests/test_block.py's)."""
+    train_code_lm.main([*ARGS, "--draft-kind", "block", "--run-dir", str(tmp_path)])
+    target = hf.load(tmp_path / "target")
+    config = DraftConfig(kind="block", path=str(tmp_path / "block"))
+    draft_factory.check_config(config, target.config)
+    assert draft_factory.from_config(config, target).config.block_size == 8
+    argv = ["--trained", str(tmp_path), "--temperature", "1", "--prompt-len", "16"]
+    bench = bench_rollout.parse_args(argv)
+    assert bench.trees == ["sampled chain 4", "sampled chain 6"]  # the chains a block proposes
+    _, draft, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
+    assert isinstance(draft, BlockDraft)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert 0 <= report["draft_top1_agreement"] <= 1 and not (tmp_path / "draft").exists()
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):

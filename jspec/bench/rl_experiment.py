@@ -119,6 +119,18 @@ def _mean(runs: list[list[dict]], key: str, steps: slice) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def _per_stage(runs: list[list[dict]], steps: slice) -> str | None:
+    """Tokens a row emits per loop trip in each stage (the batch, then each bucket), over `steps`:
+    what each stage's tree earned ('-' where a stage never ran; None where runs do not log it)."""
+    rows = [r for run in runs for r in run[steps] if "stage_emitted" in r]
+    if not rows:
+        return None
+    emitted = np.sum([r["stage_emitted"] for r in rows], axis=0)
+    row_steps = np.sum([r["stage_row_steps"] for r in rows], axis=0)
+    per_trip = [f"{e / n:.2f}" if n else "-" for e, n in zip(emitted, row_steps, strict=True)]
+    return " / ".join(per_trip)
+
+
 def summarize_mode(runs: list[list[dict]]) -> dict:
     """One mode's figures, its seeds pooled: step slices FIRST, LAST and SPEED of each run."""
     column = lambda key, sl: np.concatenate([[r[key] for r in run[sl]] for run in runs])
@@ -145,6 +157,7 @@ def summarize_mode(runs: list[list[dict]]) -> dict:
         "rollout_ms_per_verify_step": float(
             1e3 * np.median(column("rollout_time", speed) / column("verify_steps", speed))
         ),
+        "stage_tokens_per_trip": _per_stage(runs, speed),
     }
 
 

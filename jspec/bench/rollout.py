@@ -55,7 +55,7 @@ from jspec.bench.kernel_profile import loop_kernels
 from jspec.bench.timing import best_time, log, loop_seconds
 from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
-from jspec.models import create, hf, hf_eagle3, hf_mtp
+from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.sampler import compile_generate, generate, generation
 from jspec.sampler.tree_choice import StepCosts, choose_tree
@@ -79,7 +79,8 @@ def parse_args(argv=None):
         default=None,
         metavar="NAME",
         help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; default: "
-        f"{DEFAULT_TREES[True]} above temperature 0, {DEFAULT_TREES[False]} at 0",
+        f"{DEFAULT_TREES[True]} above temperature 0, {DEFAULT_TREES[False]} at 0 ({CHAIN_TREES} "
+        "for a block draft)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -140,7 +141,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", default="bench_rollout.json")
     args = p.parse_args(argv)
-    args.trees = args.trees or list(DEFAULT_TREES[args.temperature > 0])
+    args.trees = args.trees or list(default_trees(args))
     return args
 
 
@@ -178,6 +179,14 @@ DEFAULT_TREES = {
     True: ("sampled chain 4", "sampled dynamic 8"),
     False: ("chain 4", "dynamic 8 (SGLang)"),
 }
+CHAIN_TREES = {True: ("sampled chain 4", "sampled chain 6"), False: ("chain 4", "chain 6")}
+
+
+def default_trees(args) -> tuple[str, ...]:
+    """`DEFAULT_TREES` at the run's temperature; chains only for a block draft (`--trained` of
+    a `--draft-kind block` run), which proposes nothing else."""
+    block = args.trained is not None and (pathlib.Path(args.trained) / "block").is_dir()
+    return (CHAIN_TREES if block else DEFAULT_TREES)[args.temperature > 0]
 
 
 def timed_trees(args) -> dict[str, TreeConfig]:
@@ -542,13 +551,16 @@ def random_models(args, dtype: str | None = None):
 
 
 def trained(args, dtype: str = "bfloat16"):
-    """Target and draft (EAGLE-3, or an MTP head) of `jspec.jobs.train_code_lm` in `dtype`, and
+    """Target and draft (EAGLE-3, an MTP head or a block draft) of `jspec.jobs.train_code_lm` in
+    `dtype`, and
     prompts: the first `--prompt-len` tokens of each held-out file that has that many (rows repeat
     files if needed)."""
     run = pathlib.Path(args.trained)
     target = hf.load(run / "target", dtype=dtype)
     if (run / "mtp").is_dir():  # train_code_lm --draft-kind mtp: the head beside the target
         draft = hf_mtp.load(run / "mtp", target.config)
+    elif (run / "block").is_dir():  # --draft-kind block: DFlash's layout
+        draft = hf_block.load(run / "block", target.config, target_embedding=target.embed[...])
     else:
         draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
     eos = json.loads((run / "report.json").read_text())["eos_token"]

@@ -12,7 +12,14 @@ from jspec.config.loader import CONFIG_DIR, load, parse_overrides, resolve_path,
 from jspec.config.model import ModelConfig, RopeScaling
 from jspec.config.parallel import MeshConfig, PipelineConfig
 from jspec.config.rl import RLConfig, TaskConfig
-from jspec.config.rollout import Bucket, DraftConfig, KernelConfig, RolloutConfig, TreeConfig
+from jspec.config.rollout import (
+    Bucket,
+    DraftConfig,
+    KernelConfig,
+    RolloutConfig,
+    TreeConfig,
+    check_block_tree,
+)
 from jspec.config.run import Config
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
     "RopeScaling",
     "TaskConfig",
     "TreeConfig",
+    "check_block_tree",
     "load",
     "parse_overrides",
     "resolve_path",

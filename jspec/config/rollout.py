@@ -8,7 +8,7 @@ from jspec.config.errors import ConfigError, choice
 from jspec.config.model import ModelConfig
 
 _TREE_KINDS = ("chain", "static", "dynamic")
-_DRAFT_KINDS = ("eagle3", "mtp", "external", "none")
+_DRAFT_KINDS = ("eagle3", "mtp", "block", "external", "none")
 _DECODE_BACKENDS = (
     "auto",
     "xla",
@@ -105,6 +105,10 @@ class DraftConfig:
     tokens (0: the target's whole vocabulary). 'mtp': a multi-token-prediction head on the
     target's final hidden state, sharing its embedding and output head, from `path` (a policy
     directory holding its head in MiMo's layout, `jspec.models.hf_mtp`) or randomly initialised.
+    'block': a block draft (DFlash style, `jspec.models.block`) on the target's taps, sharing its
+    embedding and output head, from `path` (DFlash's layout, `jspec.models.hf_block`) or randomly
+    initialised with `block_layers` decoder layers: it predicts `block_size` - 1 tokens in one
+    forward, proposed as a chain (`rollout.tree.kind` 'chain' of depth up to `block_size` - 1).
     'external': a small decoder sharing the target's tokenizer, from `path` (a Hugging Face
     checkpoint) or randomly initialised as `model`.
     'none': plain decoding. A loaded EAGLE-3 draft that carries its own copy of the target's
@@ -117,6 +121,8 @@ class DraftConfig:
     vocab_size: int = 0
     model: ModelConfig | None = None
     allow_other_target: bool = False
+    block_size: int = 8
+    block_layers: int = 1
 
     def validate(self, where: str = "rollout.draft") -> None:
         choice(f"{where}.kind", self.kind, _DRAFT_KINDS)
@@ -131,6 +137,22 @@ class DraftConfig:
             raise ConfigError(
                 f"{where}.vocab_size={self.vocab_size} must be >= 0 (0: the target's vocabulary)."
             )
+        if self.block_size < 2 or self.block_layers < 1:
+            raise ConfigError(
+                f"{where}.block_size={self.block_size} must be >= 2 (the root and a predicted "
+                f"token) and {where}.block_layers={self.block_layers} >= 1."
+            )
+
+
+def check_block_tree(tree: TreeConfig, block_size: int, where: str = "rollout.tree") -> None:
+    """Raises ConfigError unless a block draft of `block_size` positions can fill `tree`: a chain
+    of at most block_size - 1 nodes (its predicted positions, in order)."""
+    if tree.kind != "chain" or tree.depth > block_size - 1:
+        raise ConfigError(
+            f"{where}: a block draft proposes a chain of up to block_size - 1 = {block_size - 1} "
+            f"tokens, not a {tree.kind} tree of depth {tree.depth}; set {where}.kind=chain and "
+            f"{where}.depth <= {block_size - 1}, or raise rollout.draft.block_size."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,5 +258,12 @@ class RolloutConfig:
         self.draft.validate(f"{where}.draft")
         self.tree.validate(f"{where}.tree", self.temperature)
         self.kernels.validate(f"{where}.kernels")
-        if self.draft.kind == "eagle3":
+        if self.draft.kind in ("eagle3", "block"):
             model.check_taps()
+        for name, tree in self.trees(where) if self.draft.kind == "block" else ():
+            check_block_tree(tree, self.draft.block_size, name)
+
+    def trees(self, where: str = "rollout") -> list[tuple[str, TreeConfig]]:
+        """(field name, tree) of every tree the rollouts verify: the rollout's, the buckets'."""
+        buckets = [(f"{where}.buckets[{i}].tree", b.tree) for i, b in enumerate(self.buckets)]
+        return [(f"{where}.tree", self.tree)] + [(n, t) for n, t in buckets if t is not None]

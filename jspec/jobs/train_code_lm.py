@@ -1,4 +1,4 @@
-"""A target language model and its draft (EAGLE-3, or an MTP head the target ships), trained
+"""A target language model and its draft (EAGLE-3, an MTP head the target ships, or a block draft),
 from scratch on Python source code, so that speculative decoding's acceptance (and so its speedup)
 is measured on a real model.
 
@@ -10,12 +10,14 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      packed rows of whole files (attention never crosses a file boundary),
   4. trains the draft (`--draft-kind`) on the frozen target's features and distribution with the
      co-training loss of `jspec.rl.draft_loss` (the training-time test): an EAGLE-3 draft on its
-     taps, or a multi-token-prediction head on its final hidden state,
+     taps, a multi-token-prediction head on its final hidden state, or a block draft (DFlash
+     style) on its taps, every position of its block,
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft to `--run-dir`: target/ in the Hugging Face layout with
      the tokenizer (`train_rl rl.policy=RUN_DIR` starts RL from it), draft/ in the public EAGLE-3
      layout, or mtp/: the target again with its head beside it in MiMo's layout, a policy that
-     ships its head (`rl.policy=RUN_DIR/mtp rollout.draft.kind=mtp rollout.draft.path=RUN_DIR/mtp`).
+     ships its head (`rl.policy=RUN_DIR/mtp rollout.draft.kind=mtp rollout.draft.path=RUN_DIR/mtp`),
+     or block/ in DFlash's layout (`rollout.draft.kind=block rollout.draft.path=RUN_DIR/block`).
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
 stage trains through `jspec.jobs.trainer` (as train_rl does) in `RUN_DIR/training/<stage>/`:
 checkpoints/ every `--save-minutes` (a run that dies resumes from the newest checkpoint of the
@@ -61,7 +63,8 @@ from jspec import mesh as mesh_lib
 from jspec import tokenizers
 from jspec.config import ConfigError, MeshConfig
 from jspec.jobs import cli, trainer
-from jspec.models import create, hf, hf_eagle3, hf_mtp
+from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
+from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.rl.draft_loss import draft_loss
@@ -94,10 +97,11 @@ def parse_args(argv=None):
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument(
         "--draft-kind",
-        choices=("eagle3", "mtp"),
+        choices=("eagle3", "mtp", "block"),
         default="eagle3",
-        help="the draft trained on the frozen target: EAGLE-3 (its taps) or an MTP head (its final "
-        "hidden state, its embedding and output head)",
+        help="the draft trained on the frozen target: EAGLE-3 (its taps), an MTP head (its final "
+        "hidden state, its embedding and output head) or a block draft (DFlash style: its taps, "
+        "a block of 8 in one forward)",
     )
     p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-learning-rate", type=float, default=1e-3)
@@ -385,6 +389,9 @@ def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
             hf_mtp.save(path, head)
 
         return target, train_draft("mtp", ship, lambda path: hf_mtp.load(path, cfg, mesh))
+    if args.draft_kind == "block":
+        save = lambda path, draft: hf_block.save(path, draft, cfg)
+        return target, train_draft("block", save, lambda path: hf_block.load(path, cfg, mesh=mesh))
     return target, train_draft("draft", hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0])
 
 
@@ -466,6 +473,8 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     limits.check(before="the draft's stage")  # the target's last step ended past a limit
     if draft_stage.name == "mtp":
         draft = create_mtp(MTPConfig.for_target(cfg), mesh=mesh)
+    elif draft_stage.name == "block":
+        draft = create_block(BlockConfig.for_target(cfg), mesh=mesh)
     else:
         draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
     draft = run_stage(run, draft_stage, draft, batches, mesh, loops[draft_stage], target)

@@ -60,7 +60,8 @@ from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, RolloutConfig
 from jspec.jobs import cli, trainer
-from jspec.models import create, draft_factory, hf, hf_eagle3, hf_mtp
+from jspec.models import create, draft_factory, hf, hf_block, hf_eagle3, hf_mtp
+from jspec.models.block import BlockDraft
 from jspec.models.mtp import MTPDraft
 from jspec.rl import grpo, meshes, packing, tasks
 from jspec.rl.rollouts import Sampler
@@ -118,11 +119,11 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             "leave it unset (synchronous RL on the whole mesh)."
         )
     rl.check_mesh(*meshes.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
-    if mode != "none" and cfg.rollout.draft.kind not in ("eagle3", "mtp"):
+    if mode != "none" and cfg.rollout.draft.kind not in ("eagle3", "mtp", "block"):
         raise ConfigError(
-            f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft or an MTP head, but "
-            f"rollout.draft.kind={cfg.rollout.draft.kind!r}; set rollout.draft.kind to eagle3 or "
-            "mtp, or pass --draft-mode none."
+            f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft, an MTP head or a block "
+            f"draft, but rollout.draft.kind={cfg.rollout.draft.kind!r}; set rollout.draft.kind "
+            "to eagle3, mtp or block, or pass --draft-mode none."
         )
     if mode != "none":
         draft_factory.check_config(cfg.rollout.draft, cfg.model)
@@ -398,6 +399,10 @@ def finish_rollout(run: Run, job: InFlight):
         "pack_time": time.perf_counter() - pack_start,  # advantages, packing, to the devices
         "lag": job.step - job.version,
         "rollout_programs": compiled_programs(),  # one per tree chosen (buckets are stages)
+        # Per stage (the batch, then each bucket): rows decoded summed over its loop trips, and
+        # tokens emitted: how long each bucket ran and what its tree earned a row per trip.
+        "stage_row_steps": [int(x) for x in stats.row_steps],
+        "stage_emitted": [int(x) for x in stats.emitted],
         "task": f"{name}:{difficulty}" + (f"-{difficulty + rl.task.spread}" * bool(rl.task.spread)),
     }
     if rl.packed_rows:
@@ -472,8 +477,9 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
 
 def export(run: Run, state, directory: pathlib.Path, say) -> None:
     """The policy of `state` in the Hugging Face layout with its tokenizer (`directory`/policy)
-    and its draft: an EAGLE-3 draft in its public layout (`directory`/draft), an MTP head beside
-    the policy in MiMo's (`jspec.models.hf_mtp`), which `transformers` and serving engines load;
+    and its draft: an EAGLE-3 draft in its public layout (`directory`/draft), a block draft in
+    DFlash's (`directory`/draft, `jspec.models.hf_block`), an MTP head beside the policy in
+    MiMo's (`jspec.models.hf_mtp`), which `transformers` and serving engines load;
     written beside and then moved into place, so a partial export is never read."""
     if run.cfg.pipeline.stages > 1:
         say(f"{directory}: not written; exporting a pipelined policy is not supported yet.")
@@ -485,6 +491,8 @@ def export(run: Run, state, directory: pathlib.Path, say) -> None:
     hf.save(partial / "policy", policy)
     if isinstance(draft, MTPDraft):
         hf_mtp.save(partial / "policy", draft)
+    elif isinstance(draft, BlockDraft):
+        hf_block.save(partial / "draft", draft, policy.config)
     elif draft is not None:
         hf_eagle3.save(partial / "draft", draft)
     if hosts.is_main():

@@ -1,7 +1,8 @@
 """Draft models for speculative decoding, behind one small interface (`Draft`).
 
-Three kinds (a multi-token-prediction head, the third, is `jspec.models.mtp.MTPDraft`, a
-`OneLayerDraft` as EAGLE-3 is):
+Two kinds here (a multi-token-prediction head is `jspec.models.mtp.MTPDraft`, a
+`OneLayerDraft` as EAGLE-3 is; a block draft, which drafts a whole chain in one forward,
+`jspec.models.block.BlockDraft`):
 - `Eagle3Draft`: the EAGLE-3 head. The target's hidden states entering three of its layers (its
   taps) are concatenated and projected (`fc`, 3H -> H); one decoder layer attends over
   concat(RMSNorm(token embedding), RMSNorm(fused feature)) (2H wide), with the residual taken from
@@ -130,11 +131,23 @@ def check_eagle3_config(c: Eagle3Config, target: ModelConfig) -> None:
 def check_target(draft, target: ModelConfig) -> None:
     """Raises ConfigError when the draft cannot serve this target (before any compilation), a
     TypeError for what is not a draft."""
-    if not isinstance(draft, OneLayerDraft | ExternalDraft):
+    if not callable(getattr(draft, "check_target", None)):  # every kind has its own check
         raise TypeError(
-            f"{type(draft).__name__} is not a draft kind (EAGLE-3, MTP head, external model)."
+            f"{type(draft).__name__} is not a draft kind (EAGLE-3, MTP head, block draft, "
+            "external model)."
         )
     draft.check_target(target)
+
+
+class TargetVocabulary:
+    """What a draft whose vocabulary is the target's (it reads the target's output head: an MTP
+    head, a block draft) does with logits between vocabularies: nothing."""
+
+    def to_target_vocab(self, logits: Float[Array, "*b v"]) -> Float[Array, "*b v"]:
+        return logits
+
+    def from_target_vocab(self, logits: Float[Array, "*b v"]) -> Float[Array, "*b v"]:
+        return logits
 
 
 class OneLayerDraft(nnx.Module):
@@ -148,7 +161,7 @@ class OneLayerDraft(nnx.Module):
     num_layers = 1
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return _init_cache(self.config.layer, self.mesh, batch, max_len)
+        return draft_cache(self.config.layer, self.mesh, batch, max_len)
 
     def prefill(
         self, shared, prompt, lengths, root, features: Taps, cache, *, kernels: Kernels = None
@@ -166,7 +179,7 @@ class OneLayerDraft(nnx.Module):
         writer = CacheWriter(cache, count, tokens.shape[1], self.mesh, kernels)
         cos_sin = layers.rope_angles(self.config.layer, writer.q_positions)
         attend = functools.partial(writer.attend, 0)
-        out, _ = self.layer(_lookup(shared.embed, tokens), self.fuse(features), cos_sin, attend)
+        out, _ = self.layer(lookup(shared.embed, tokens), self.fuse(features), cos_sin, attend)
         last = last_valid(out, count)
         logits = self.to_target_vocab(self.draft_logits(last[:, None], shared))[:, 0]
         return DraftOut(logits, last, writer.cache)
@@ -181,7 +194,7 @@ class OneLayerDraft(nnx.Module):
         )
 
         cos_sin = layers.rope_angles(self.config.layer, positions)
-        out, (k, v) = self.layer(_lookup(shared.embed, tokens), parent_hidden, cos_sin, attend)
+        out, (k, v) = self.layer(lookup(shared.embed, tokens), parent_hidden, cos_sin, attend)
         logits = self.to_target_vocab(self.draft_logits(out, shared))
         return logits, out, k[None], v[None], anchor
 
@@ -392,14 +405,14 @@ class Eagle3Draft(OneLayerDraft):
         return read[features.shape](features)
 
 
-def _lookup(embed: Float[Array, "v d"], tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+def lookup(embed: Float[Array, "v d"], tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
     """The target's embedding of each token (padding tokens may be negative)."""
     return jnp.take(embed, tokens, axis=0, mode="clip")
 
 
-def _init_cache(layer: ModelConfig, mesh, batch: int, max_len: int) -> KVCache:
-    """The one-layer cache; its length follows the target's positions, not the draft's
-    own max_seq_len (RoPE of the draft follows the target's)."""
+def draft_cache(layer: ModelConfig, mesh, batch: int, max_len: int) -> KVCache:
+    """A draft's cache of `layer.num_layers` layers; its length follows the target's positions,
+    not the draft's own max_seq_len (RoPE of the draft follows the target's)."""
     slots = cache_slots(max_len)
     layer = dataclasses.replace(layer, max_seq_len=max(slots, layer.max_seq_len))
     model = nnx.eval_shape(lambda: Transformer(layer, rngs=nnx.Rngs(0), mesh=mesh))

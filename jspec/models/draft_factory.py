@@ -1,7 +1,7 @@
 """The draft a `DraftConfig` describes, for a target: loaded from its checkpoint (EAGLE-3's public
-layout, an MTP head in MiMo's layout beside its policy, or a Hugging Face decoder for an external
-draft) or initialised randomly, and checked against the target. It sits apart from `draft` (the
-models) because the loaders import those."""
+layout, an MTP head in MiMo's layout beside its policy, a block draft in DFlash's, or a Hugging
+Face decoder for an external draft) or initialised randomly, and checked against the target. It
+sits apart from `draft` (the models) because the loaders import those."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pathlib
 from jax.sharding import Mesh
 
 from jspec.config import DraftConfig, ModelConfig
-from jspec.models import hf, hf_eagle3, hf_mtp
+from jspec.models import hf, hf_block, hf_eagle3, hf_mtp
+from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import (
     Eagle3Config,
     ExternalDraft,
@@ -32,15 +33,21 @@ def check_config(config: DraftConfig, target: ModelConfig) -> None:
     config.validate()
     if config.kind == "mtp" and config.path is not None:
         hf.check_config(config.path, target)  # a head serves the trunk it was trained with
-    if config.kind == "eagle3" and config.path is not None:
+    if config.kind in ("eagle3", "block") and config.path is not None:
         path = pathlib.Path(config.path)
         if not (path / hf.CONFIG).is_file():
+            what = {"eagle3": "an EAGLE-3 draft", "block": "a block draft in DFlash's layout"}
+            run_dir = {"eagle3": "RUN/draft", "block": "RUN/block"}
             raise hf.CheckpointNotFoundError(
-                f"rollout.draft.path={config.path!r} holds no {hf.CONFIG}; point at an EAGLE-3 "
-                "draft directory (config.json and model.safetensors, e.g. train_code_lm's "
-                "RUN/draft), or leave it unset for a fresh draft."
+                f"rollout.draft.path={config.path!r} holds no {hf.CONFIG}; point at "
+                f"{what[config.kind]} (config.json and model.safetensors, e.g. train_code_lm's "
+                f"{run_dir[config.kind]}), or leave it unset for a fresh draft."
             )
-        check_eagle3_config(hf_eagle3.config_from_json(hf.read_json(path / hf.CONFIG)), target)
+        hf_config = hf.read_json(path / hf.CONFIG)
+        if config.kind == "block":
+            hf_block.config_from_json(hf_config, target, path)
+        else:
+            check_eagle3_config(hf_eagle3.config_from_json(hf_config), target)
 
 
 def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: int = 0):
@@ -70,6 +77,13 @@ def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: 
             if config.path is not None
             else create_mtp(MTPConfig.for_target(target.config), mesh=mesh, seed=seed)
         )
+    elif config.kind == "block" and config.path is not None:
+        draft = hf_block.load(
+            config.path, target.config, mesh=mesh, target_embedding=target.embed[...]
+        )
+    elif config.kind == "block":
+        block = BlockConfig.for_target(target.config, config.block_size, config.block_layers)
+        draft = create_block(block, mesh=mesh, seed=seed)
     elif config.path is not None:
         draft = ExternalDraft(hf.load(config.path, mesh=mesh, **run))
     else:

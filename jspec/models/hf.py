@@ -379,7 +379,7 @@ def load(
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, state = nnx.split(abstract)
     np_dtype = np.dtype(jnp.dtype(config.param_dtype))
-    values: dict = {}
+    flat = {}
     with contextlib.ExitStack() as stack:
         reader = _Reader(root, config, stack)
         for keys, var in nnx.to_flat_state(state):
@@ -389,16 +389,25 @@ def load(
             else:  # each device receives its own slice only
                 read = lambda i, keys=keys, shape=shape: reader.param(keys, shape, np_dtype, i)
                 array = jax.make_array_from_callback(shape, mesh_lib.sharding(mesh, var.axes), read)
-            node = values
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = array
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+            flat[keys] = array
+    return merge_flat(graphdef, state, flat)
 
 
 # ---------------------------------------------------------------------------------------------
 # Export.
+
+
+def merge_flat(graphdef, state, flat: dict):
+    """The module of `graphdef` whose parameters are `flat`, keyed by the paths that
+    `nnx.to_flat_state(state)` names (a loader reads them one by one)."""
+    values: dict = {}
+    for keys, array in flat.items():
+        node = values
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = array
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
 
 
 def place(host: np.ndarray, mesh: Mesh | None, var) -> jax.Array:

@@ -19,7 +19,6 @@ import contextlib
 import json
 import pathlib
 import re
-from typing import Any
 
 import jax
 import numpy as np
@@ -83,7 +82,7 @@ def load(
     make = lambda: MTPDraft(config, rngs=nnx.Rngs(0), mesh=mesh)  # shapes only
     graphdef, state = nnx.split(nnx.eval_shape(make))
     np_dtype = np.dtype(target.param_dtype)
-    values: dict[str, Any] = {}
+    flat = {}
     with contextlib.ExitStack() as stack:
         reader = _Reader(root, target, stack)
         _check_layout(root, reader.where, index, state)
@@ -93,12 +92,8 @@ def load(
             one = shape[1:] if keys[0] == "block" else shape  # the block's one-layer stack
             host = hf._from_hf(reader.tensor(key, hf._hf_shape(one, n_in)), one, n_in)
             host = host.reshape(shape).astype(np_dtype, copy=False)
-            node = values
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = hf.place(host, mesh, var)
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+            flat[keys] = hf.place(host, mesh, var)
+    return hf.merge_flat(graphdef, state, flat)
 
 
 def _check_layout(root: pathlib.Path, keys, index: int, state) -> None:

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, ModelConfig
 from jspec.models import layers
-from jspec.models.draft import OneLayerDraft, Shared
+from jspec.models.draft import OneLayerDraft, Shared, TargetVocabulary
 from jspec.models.transformer import TRAIN_ACT, Block, create_sharded
 
 
@@ -65,7 +65,7 @@ def check_mtp_config(c: MTPConfig, target: ModelConfig) -> None:
             )
 
 
-class MTPDraft(OneLayerDraft):
+class MTPDraft(TargetVocabulary, OneLayerDraft):
     """The MTP head (module docstring). Parameters carry logical axis names like the target's;
     the decoder layer is a `Block` of one layer, the target's own layer code."""
 
@@ -114,13 +114,6 @@ class MTPDraft(OneLayerDraft):
         """Logits (float32) by the target's output head: the output is normalised already."""
         head = shared.head.astype(hidden_BTD.dtype)
         return jnp.einsum("btd,vd->btv", hidden_BTD, head, preferred_element_type=jnp.float32)
-
-    def to_target_vocab(self, logits: Float[Array, "*b v"]) -> Float[Array, "*b v"]:
-        """The head's vocabulary is the target's."""
-        return logits
-
-    def from_target_vocab(self, logits: Float[Array, "*b v"]) -> Float[Array, "*b v"]:
-        return logits
 
     def check_target(self, target: ModelConfig) -> None:
         check_mtp_config(self.config, target)

@@ -14,6 +14,11 @@ draft vocabulary and renormalised there; the loss of pass i is the soft cross-en
 response tokens, weighted decay**i. Logits over the vocabulary are made chunk by chunk along the
 sequence (rematerialised in the backward pass), never for the whole batch at once.
 
+A block draft (`jspec.models.block`, DFlash style) is trained by the same loss on other passes
+(`block_passes`): its block after every trunk token t (the root token t + 1, masks after it) is one
+forward, and block position k = i + 1 predicts token t + 1 + k, so it is scored as pass i is (the
+teacher at t + 1 + i, weight decay**i): DFlash's exp(-(k - 1) / gamma) with decay = exp(-1 / gamma).
+
 Context parallelism: shifts are made in natural order, then the draft runs in the ring's zigzag
 layout (`zigzag_shard`), every pass's branch nodes on the rank of their anchor, and the hidden
 states come back to natural order for the loss. So a shifted input that crosses a zigzag chunk
@@ -32,6 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
+from jspec.models.block import BlockDraft
 from jspec.models.draft import OneLayerDraft, Shared
 from jspec.models.layers import rope_angles
 
@@ -67,13 +73,13 @@ class _Layout:
 
     def shard(self, x):
         """x [B,T,...] in the zigzag layout."""
-        return x if self.cp == 1 else self._split(zigzag_shard(x, self.natural_seg, self.cp))
+        return x if self.cp == 1 else self.split(zigzag_shard(x, self.natural_seg, self.cp))
 
     def unshard(self, x):
         """x [B,T,...] back in natural order."""
-        return x if self.cp == 1 else self._split(zigzag_unshard(x, self.natural_seg, self.cp))
+        return x if self.cp == 1 else self.split(zigzag_unshard(x, self.natural_seg, self.cp))
 
-    def _split(self, x):
+    def split(self, x):
         """x with its tokens split over the context ranks, in either order: the permutations
         gather what they move, and left so, every rank would run the draft on the whole row."""
         return mesh_lib.constrain(x, self.mesh, ("batch", "seq", *(None,) * (x.ndim - 2)))
@@ -85,26 +91,39 @@ class _Layout:
         out = attention(q, k, v, self.seg, positions, branch=branch)
         return out if branch is not None else (out, None)
 
-    def pass_branch(self, q, ks, vs) -> Branch:
-        """The branch of pass i = len(ks): the nodes of passes 1..i (K/V each [B,T,K,E] in this
-        layout), node (t, j) anchored at t with parent (t, j - 1), the queries of pass i only.
+    def stack(self, xs: list) -> Array:
+        """n arrays [B,T,...] of this layout as one [B, n * T, ...] in rank-major slots: rank
+        r's tokens of every array together, array by array (as the ring wants branch nodes)."""
+        b, t = xs[0].shape[:2]
+        local = t // self.cp
+        split = [x.reshape(b, self.cp, local, *x.shape[2:]) for x in xs]
+        return jnp.stack(split, axis=2).reshape(b, len(xs) * t, *xs[0].shape[2:])
+
+    def unstack(self, x, n: int) -> list:
+        """The n arrays [B,T,...] that `stack` joined into x."""
+        b, t = x.shape[0], x.shape[1] // n
+        x = x.reshape(b, self.cp, n, t // self.cp, *x.shape[2:])
+        return [x[:, :, i].reshape(b, t, *x.shape[4:]) for i in range(n)]
+
+    def pass_branch(self, q, k, v) -> Branch:
+        """The branch of a chain of n nodes per trunk token t (K/V `stack`ed, [B, n * T, K, E]):
+        node (t, j) anchored at t with parent (t, j - 1); every query (`stack`ed, any number per
+        token) belongs to its token's last node, so it sees the whole chain.
 
         Indices are local to each rank's T / cp tokens (rank-major slots, as the ring wants)."""
-        b, t = q.shape[:2]
-        i, local = len(ks), t // self.cp
-        stack = lambda xs: jnp.stack(
-            [x.reshape(b, self.cp, local, *x.shape[2:]) for x in xs], axis=2
-        ).reshape(b, self.cp * i * local, *xs[0].shape[2:])
+        b, t = self.seg.shape
+        local = t // self.cp
+        n, nq = k.shape[1] // t, q.shape[1] // t
         slot = jnp.arange(local, dtype=jnp.int32)
-        j = jnp.arange(i, dtype=jnp.int32)[:, None]
-        per_rank = lambda x: jnp.broadcast_to(x, (b, self.cp, *x.shape)).reshape(b, -1)
+        j = jnp.arange(n, dtype=jnp.int32)[:, None]
+        per_rank = lambda x, m: jnp.broadcast_to(x, (b, self.cp, m, local)).reshape(b, -1)
         return Branch(
             q,
-            stack(ks),
-            stack(vs),
-            anchor=per_rank(jnp.broadcast_to(slot, (i, local))),
-            parent=per_rank(jnp.where(j == 0, -1, (j - 1) * local + slot)),
-            query_nodes=per_rank((i - 1) * local + slot),
+            k,
+            v,
+            anchor=per_rank(slot, n),
+            parent=per_rank(jnp.where(j == 0, -1, (j - 1) * local + slot), n),
+            query_nodes=per_rank((n - 1) * local + slot, nq),
         )
 
 
@@ -136,13 +155,43 @@ def draft_passes(
     for i in range(1, steps + 1):
 
         def branch(q, k, v):
-            return layout.attend(None, k0, v0, pos, layout.pass_branch(q, [*ks, k], [*vs, v]))[1]
+            chain = layout.pass_branch(q, layout.stack([*ks, k]), layout.stack([*vs, v]))
+            return layout.attend(None, k0, v0, pos, chain)[1]
 
         hidden, (k, v) = draft.layer(emb(i), hidden, rope_angles(cfg, pos + i), branch)
         outs.append(hidden)
         ks.append(k)
         vs.append(v)
     return [layout.unshard(h) for h in outs]
+
+
+def block_passes(
+    draft: BlockDraft,
+    shared: Shared,
+    taps: Float[Array, "taps b t d"],
+    tokens: Int[Array, "b t"],
+    segment_ids: Int[Array, "b t"],
+    positions: Int[Array, "b t"],
+    mesh: Mesh | None = None,
+) -> list[Float[Array, "b t d"]]:
+    """A block draft's output hidden states at its predicted positions k = 1 .. block_size - 1,
+    natural order, of the block after every trunk token t: the root token t + 1 at position
+    pos[t] + 1, masks after it, seeing the context up to t and the whole block (a chain of
+    nodes anchored at t whose last node every query of the block belongs to)."""
+    layout = _Layout(segment_ids, mesh)
+    n, cfg = draft.config.block_size, draft.config.layer
+    pos = layout.shard(positions)
+    ctx, ctx_cos_sin = layout.shard(draft.fuse(taps)), rope_angles(cfg, pos)
+    roots = layout.shard(shift(tokens, 1, 0))
+    x = layout.split(layout.stack(list(draft.block_inputs(shared, roots))))
+    cos_sin = rope_angles(cfg, layout.stack([pos + 1 + k for k in range(n)]))
+
+    def attend(i, layer, q, k, v):
+        k0, v0 = draft.context_kv(layer, ctx, ctx_cos_sin)
+        return layout.attend(None, k0, v0, pos, layout.pass_branch(q, k, v))[1]
+
+    out = layout.unstack(layout.split(draft.forward(x, cos_sin, attend)), n)
+    return [layout.unshard(h) for h in out[1:]]
 
 
 def pass_targets(
@@ -180,7 +229,7 @@ def _soft_cross_entropy(draft, shared, hidden, teacher_logits, mask, offset, tem
 
 
 def draft_loss(
-    draft: OneLayerDraft,
+    draft: OneLayerDraft | BlockDraft,
     shared: Shared,
     taps: Float[Array, "taps b t d"],
     teacher_logits: Float[Array, "b t v"],
@@ -195,10 +244,15 @@ def draft_loss(
     chunk: int,
     mesh: Mesh | None = None,
 ) -> DraftLossOut:
-    """The training-time-test loss (module docstring). Inputs are detached here: the draft never
-    back-propagates into the policy."""
+    """The training-time-test loss (module docstring), or a block draft's block loss (every
+    block position scored; with `steps=0`, a frozen draft's metric, the first alone). Inputs are
+    detached here: the draft never back-propagates into the policy."""
     shared, taps, teacher_logits = jax.lax.stop_gradient((shared, taps, teacher_logits))
-    hiddens = draft_passes(draft, shared, taps, tokens, segment_ids, positions, steps, mesh)
+    if isinstance(draft, BlockDraft):  # every block position; with steps=0 the first alone
+        hiddens = block_passes(draft, shared, taps, tokens, segment_ids, positions, mesh)
+        hiddens = hiddens if steps else hiddens[:1]
+    else:
+        hiddens = draft_passes(draft, shared, taps, tokens, segment_ids, positions, steps, mesh)
     losses, agreement = [], None
     for i, hidden in enumerate(hiddens):
         mask = pass_targets(response, segment_ids, i)

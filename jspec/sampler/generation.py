@@ -39,10 +39,12 @@ from jspec import mesh as mesh_lib
 from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig, TreeConfig
+from jspec.models.block import BlockDraft
 from jspec.models.cache import TreeKV
 from jspec.models.draft import Draft, DraftOut, Shared, check_target
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
+from jspec.sampler.block_proposal import propose_block
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
 from jspec.sampler.tree import (
     StaticTree,
@@ -186,6 +188,8 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
     config.validate(target.config)
     if draft is not None:
         check_target(draft, target.config)
+    for where, tree in config.trees() if isinstance(draft, BlockDraft) else ():
+        draft.check_tree(tree, where)
     if getattr(prompts, "ndim", None) != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
         raise ValueError(
             f"prompts must be an integer array [prompts, tokens], got "
@@ -406,6 +410,8 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     if draft is None:
         empty = jnp.zeros((b, 0), jnp.int32)
         tree = Tree(empty, empty, empty)
+    elif isinstance(draft, BlockDraft):
+        tree = propose_block(draft, shared, root, s.rows.draft.cache, tree_key, config)
     else:
         tree = propose(draft, shared, s.rows.draft, tree_key, config)
     layout = branch_layout(tree, root, cache.length - 1)

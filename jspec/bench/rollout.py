@@ -79,8 +79,7 @@ def parse_args(argv=None):
         default=None,
         metavar="NAME",
         help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; default: "
-        f"{DEFAULT_TREES[True]} above temperature 0, {DEFAULT_TREES[False]} at 0 ({CHAIN_TREES} "
-        "for a block draft)",
+        f"{DEFAULT_TREES[True]} above T=0, {DEFAULT_TREES[False]} at 0 (block drafts: chains)",
     )
     p.add_argument(
         "--draft-vocab",

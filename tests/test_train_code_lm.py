@@ -23,6 +23,7 @@ from jspec.config import ConfigError, DraftConfig
 from jspec.jobs import train_code_lm, trainer
 from jspec.models import draft_factory, hf, hf_eagle3, hf_mtp
 from jspec.models.block import BlockDraft
+from jspec.models.mtp import MTPConfig, create_mtp
 
 ARGS = (
     "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
@@ -111,6 +112,23 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1
     report = json.loads((tmp_path / "report.json").read_text())
     assert 0 <= report["draft_top1_agreement"] <= 1
+
+
+def test_an_mtp_head_trained_with_the_target_ships_from_the_first_step(tmp_path):
+    """--mtp-weight: the head trains with the target from its first step (target/ holds both);
+    the mtp stage goes on from that head, here for no step, so mtp/ ships it as it is."""
+    joint = ["--draft-kind", "mtp", "--mtp-weight", "0.2", "--draft-steps", "0"]
+    train_code_lm.main([*ARGS, *joint, "--run-dir", str(tmp_path)])
+    target = hf.load(tmp_path / "target")
+    params = lambda head: jax.tree.leaves(nnx.state(head, nnx.Param))
+    trained = params(hf_mtp.load(tmp_path / "target", target.config))
+    shipped = params(hf_mtp.load(tmp_path / "mtp", target.config))
+    fresh = params(create_mtp(MTPConfig.for_target(target.config)))  # the head it started from
+    for a, b in zip(trained, shipped, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(trained, fresh, strict=True))
+    with pytest.raises(ConfigError, match=r"--mtp-weight=0.2 .* --draft-kind eagle3"):
+        train_code_lm.main([*ARGS, "--mtp-weight", "0.2", "--run-dir", str(tmp_path / "x")])
 
 
 def test_a_block_draft_is_trained_and_saved_in_dflashs_layout(tmp_path):

@@ -7,7 +7,9 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
   1. splits the files into training and held-out files (by a hash of the path: stable),
   2. trains a byte-level BPE tokenizer on the training files (`tokenizers`),
   3. trains the target (`--config`, 1.4B parameters for `code-1b`) by next-token cross-entropy on
-     packed rows of whole files (attention never crosses a file boundary),
+     packed rows of whole files (attention never crosses a file boundary); with `--mtp-weight W`
+     (and `--draft-kind mtp`) its MTP head from the first step too, W times the head's loss added
+     (on the trunk's features as they are: the head does not shape the trunk),
   4. trains the draft (`--draft-kind`) on the frozen target's features and distribution with the
      co-training loss of `jspec.rl.draft_loss` (the training-time test): an EAGLE-3 draft on its
      taps, a multi-token-prediction head on its final hidden state, or a block draft (DFlash
@@ -103,6 +105,13 @@ def parse_args(argv=None):
         "hidden state, its embedding and output head) or a block draft (DFlash style: its taps, "
         "a block of 8 in one forward)",
     )
+    p.add_argument(
+        "--mtp-weight",
+        type=float,
+        default=0.0,
+        help="with --draft-kind mtp: train the head with the target from its first step, its loss "
+        "weighted so in the target's (0: the head is trained after, on the frozen target)",
+    )
     p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-learning-rate", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
@@ -115,7 +124,13 @@ def parse_args(argv=None):
         "the newest; a save of the 1.4B target and its optimizer state writes about 17 GB)",
     )
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.mtp_weight < 0 or (args.mtp_weight and args.draft_kind != "mtp"):
+        raise ConfigError(
+            f"--mtp-weight={args.mtp_weight} trains an MTP head with the target: it must be >= 0, "
+            f"and > 0 only with --draft-kind mtp (got --draft-kind {args.draft_kind})."
+        )
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,11 +309,36 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     return nnx.merge(graphdef, params[name], rest)
 
 
-def target_loss(model, _, batch):
-    logits = model(batch["tokens"], batch["segment_ids"], batch["positions"])
+def lm_loss(logits, batch):
     total, count = next_token_loss(logits, batch["tokens"], batch["segment_ids"])
-    loss = total / jnp.maximum(count, 1)
+    return total / jnp.maximum(count, 1)
+
+
+def target_loss(model, _, batch):
+    loss = lm_loss(model(batch["tokens"], batch["segment_ids"], batch["positions"]), batch)
     return loss, loss
+
+
+def draft_loss_of(draft, target, batch, logits, features, ttt_steps: int):
+    """(loss, agreement) of the draft against the target's `logits` and `features` (the draft's
+    kind) on one batch of rows; the target's side detached."""
+    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+    shared = jax.tree.map(lambda w: w.astype(features.dtype), Shared.of(target))
+    out = draft_loss(
+        draft,
+        shared,
+        features,
+        logits,
+        tokens,
+        seg,
+        pos,
+        seg != 0,
+        steps=ttt_steps,
+        decay=0.8,
+        temperature=1.0,
+        chunk=512,
+    )
+    return out.loss, out.agreement
 
 
 def draft_loss_fn(ttt_steps: int):
@@ -307,22 +347,28 @@ def draft_loss_fn(ttt_steps: int):
     def loss(draft, target, batch):
         tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
         logits, features = target(tokens, seg, pos, features=draft.features)
-        shared = jax.tree.map(lambda w: w.astype(features.dtype), Shared.of(target))
-        out = draft_loss(
-            draft,
-            shared,
-            features,
-            logits,
-            tokens,
-            seg,
-            pos,
-            seg != 0,
-            steps=ttt_steps,
-            decay=0.8,
-            temperature=1.0,
-            chunk=512,
-        )
-        return out.loss, out.agreement
+        return draft_loss_of(draft, target, batch, logits, features, ttt_steps)
+
+    return loss
+
+
+class TargetWithHead(nnx.Module):
+    """The target and its MTP head, trained together (`--mtp-weight`)."""
+
+    def __init__(self, target, head):
+        self.target, self.head = target, head
+
+
+def joint_loss_fn(weight: float, ttt_steps: int):
+    """The target's loss plus `weight` times its MTP head's, from one forward of the trunk (the
+    head learns on the trunk's features as they are, detached: it does not shape the trunk)."""
+
+    def loss(module, _, batch):
+        tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+        logits, final = module.target(tokens, seg, pos, features="final")
+        lm = lm_loss(logits, batch)
+        head, _ = draft_loss_of(module.head, module.target, batch, logits, final, ttt_steps)
+        return lm + weight * head, lm
 
     return loss
 
@@ -361,6 +407,7 @@ def save_target(path: pathlib.Path, target, tokenizer: pathlib.Path) -> None:
 
 def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
     """The target's stage and the draft's (of the run directory `run`; `cfg` the model's)."""
+    save = lambda path, module: save_target(path, module, run / "tokenizer.json")
     target = Stage(
         "target",
         args.steps,
@@ -368,9 +415,19 @@ def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
         target_loss,
         "loss",
         ("steps", "learning_rate"),
-        lambda path, module: save_target(path, module, run / "tokenizer.json"),
+        save,
         lambda path: hf.load(path, mesh),
     )
+    if args.mtp_weight:  # the target with its head beside it, as the mtp stage ships them
+
+        def save_joint(path: pathlib.Path, module: TargetWithHead) -> None:
+            save(path, module.target)
+            hf_mtp.save(path, module.head)
+
+        load = lambda path: TargetWithHead(hf.load(path, mesh), hf_mtp.load(path, cfg, mesh))
+        flags = ("steps", "learning_rate", "mtp_weight", "ttt_steps")
+        loss = joint_loss_fn(args.mtp_weight, args.ttt_steps)
+        target = dataclasses.replace(target, loss=loss, flags=flags, save=save_joint, load=load)
     draft_flags = ("draft_steps", "draft_learning_rate", "ttt_steps")
     train_draft = lambda name, save, load: Stage(
         name,
@@ -468,11 +525,18 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     target = create(cfg, mesh=mesh)
     size = sum(x.size for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
     print(f"target: {size:,} parameters", flush=True)
-    target = run_stage(run, target_stage, target, batches, mesh, loops[target_stage])
+    head = create_mtp(MTPConfig.for_target(cfg), mesh=mesh) if draft_stage.name == "mtp" else None
+    if args.mtp_weight:  # the head trained with the target, then on to the draft's stage
+        joint = run_stage(
+            run, target_stage, TargetWithHead(target, head), batches, mesh, loops[target_stage]
+        )
+        target, head = joint.target, joint.head
+    else:
+        target = run_stage(run, target_stage, target, batches, mesh, loops[target_stage])
     print(f"target trained {limits.stamp()}", flush=True)
     limits.check(before="the draft's stage")  # the target's last step ended past a limit
     if draft_stage.name == "mtp":
-        draft = create_mtp(MTPConfig.for_target(cfg), mesh=mesh)
+        draft = head
     elif draft_stage.name == "block":
         draft = create_block(BlockConfig.for_target(cfg), mesh=mesh)
     else:

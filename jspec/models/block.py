@@ -130,15 +130,13 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         config.validate()
         c = config.layer
         d = c.hidden_size
-        p = lambda shape, axes, fan_in: layers.init_param(
-            rngs, shape, axes, jnp.dtype(c.param_dtype), fan_in
-        )
+        p = functools.partial(layers.init_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config, self.mesh = config, mesh
-        self.fc = p((config.num_taps * d, d), (None, "embed"), config.num_taps * d)
-        self.hidden_norm = p((d,), ("norm",), None)
-        self.mask = p((d,), ("embed",), d)  # the masked positions' embedding
+        self.fc = p((config.num_taps * d, d), (None, "embed"), fan_in=config.num_taps * d)
+        self.hidden_norm = p((d,), ("norm",), fan_in=None)
+        self.mask = p((d,), ("embed",), fan_in=d)  # the masked positions' embedding
         self.layers = Block(c, c.num_layers, rngs=rngs)
-        self.final_norm = p((d,), ("norm",), None)
+        self.final_norm = p((d,), ("norm",), fan_in=None)
         self.rollout_layers = nnx.data(None)  # set by `for_rollout`: the layers, sliced once
 
     @property

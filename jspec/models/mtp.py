@@ -15,6 +15,7 @@ level's nodes. Its vocabulary is the target's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,15 +76,13 @@ class MTPDraft(TargetVocabulary, OneLayerDraft):
         config.validate()
         c = config.layer
         d = c.hidden_size
-        p = lambda shape, axes, fan_in: layers.init_param(
-            rngs, shape, axes, jnp.dtype(c.param_dtype), fan_in
-        )
+        p = functools.partial(layers.init_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config, self.mesh = config, mesh
-        self.hidden_norm = p((d,), ("norm",), None)
-        self.token_norm = p((d,), ("norm",), None)
-        self.input_proj = p((2 * d, d), (None, "embed"), 2 * d)
+        self.hidden_norm = p((d,), ("norm",), fan_in=None)
+        self.token_norm = p((d,), ("norm",), fan_in=None)
+        self.input_proj = p((2 * d, d), (None, "embed"), fan_in=2 * d)
         self.block = Block(c, 1, rngs=rngs)
-        self.final_norm = p((d,), ("norm",), None)
+        self.final_norm = p((d,), ("norm",), fan_in=None)
         self.rollout_block = nnx.data(None)  # set by `for_rollout`: the layer, products fused
 
     def fuse(self, features: Float[Array, "1 b t d"]) -> Float[Array, "b t d"]:

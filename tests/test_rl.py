@@ -19,7 +19,9 @@ import pytest
 from helpers import COMPARED, LOOP, close, close_trees, count_dots, loop, random_rollouts
 from learning import assert_updates_follow_rewards, recorded_loop
 
+from jspec import config as config_lib
 from jspec import mesh as mesh_lib
+from jspec import tokenizers
 from jspec.config import (
     ConfigError,
     MeshConfig,
@@ -376,6 +378,21 @@ def test_the_draft_trains_on_draft_rows_spread_over_each_data_shard(draft_rows):
     close(got[1]["draft_loss"], subset[1]["draft_loss"])
     close_trees(got[0]["draft"], subset[0]["draft"])
     assert not np.allclose(got[1]["draft_loss"], whole[1]["draft_loss"])
+
+
+def test_a_step_takes_the_fewest_packed_rows_that_hold_its_sequences():
+    """rl.packed_rows=[16, 8] (in any order), 64 sequences in rows of 32 tokens (2 of a 10-token
+    prompt and 6 new tokens): documents of 4 tokens fit 8 rows, of 8 tokens 16, full-length ones
+    neither, so they take the full layout's 32."""
+    cfg = config_lib.load("demo", [*LOOP, "rl.packed_rows=[16,8]"])
+    run = train_rl.Run((cfg, tokenizers.ByteTokenizer(), 10), "none")
+    prompts, _, responses, _, logprobs, advantages = random_rollouts(64, 10, 6, 64)
+    for prompt, response, rows in [(2, 1, 8), (2, 5, 16), (10, 6, 32)]:
+        lengths = np.full(64, prompt), np.full(64, response)
+        packed, count = run.pack(prompts, lengths[0], responses, lengths[1], logprobs, advantages)
+        assert count == rows and packed.tokens.shape == (rows, 32)
+        placed = np.bincount(packed.sequence[packed.response], minlength=64)
+        assert (placed == response).all()  # every response token, once
 
 
 def test_a_step_whose_sequences_do_not_fit_the_packed_rows_takes_the_full_layout(tmp_path, cache):

@@ -4,7 +4,9 @@ with one device; the model refuses a mesh it does not fit.
 Compilation dominates on CPU, so every test reuses one model and one padded length.
 """
 
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import close
+from jax.ad_checkpoint import print_saved_residuals
 
 from jspec.config import ConfigError, KernelConfig, MeshConfig, ModelConfig
 from jspec.mesh import logical_spec, make_mesh, sharding
@@ -377,6 +380,18 @@ def test_remat_dots_agrees_with_full(model, reference):
     loss, grad = jax.jit(jax.value_and_grad(loss_fn(graphdef)))(nnx.state(model), *BATCH)
     np.testing.assert_allclose(loss, reference[0], rtol=1e-6)
     jax.tree.map(lambda g, w: close(g, w, 1e-5), grad, reference[1])
+
+
+@pytest.mark.parametrize("remat, kept", [("dots", True), ("full", False)])
+def test_remat_dots_keeps_attentions_output_for_the_backward(model, remat, kept):
+    """Under 'dots' the backward reads attention's log-sum-exp (layers x rows x tokens x heads)
+    saved by the forward, with its output, rather than running the attention forward again."""
+    graphdef = graphdef_for(dataclasses.replace(CONFIG, remat=remat))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss_fn(graphdef), nnx.state(model), *BATCH)
+    lse = f"f32[{CONFIG.num_layers},{len(BATCH[0])},{PAD},{CONFIG.num_heads}] output of scan"
+    assert (lse in printed.getvalue()) == kept
 
 
 def test_bfloat16_compute_close_to_float32(model, reference):

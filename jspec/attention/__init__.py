@@ -9,9 +9,11 @@ from jspec.attention.attend import attention, ring_attention
 from jspec.attention.branch import Branch
 from jspec.attention.parallel import context_parallel_attention
 from jspec.attention.reference import reference_attention
+from jspec.attention.ring import SAVED
 from jspec.attention.zigzag import zigzag_shard, zigzag_unshard
 
 __all__ = [
+    "SAVED",
     "Branch",
     "attention",
     "context_parallel_attention",

@@ -19,8 +19,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jspec.attention import blocks, pallas_gpu, pallas_tpu
+
+# The checkpoint name of attention's output and log-sum-exp, all its backward needs beside q, k, v:
+# a remat policy that saves them (`jax.checkpoint_policies.save_only_these_names`) keeps the
+# backward from running the forward kernel again.
+SAVED = "attention"
 
 
 class Static(NamedTuple):
@@ -130,7 +136,8 @@ def run(st: Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_pare
 
 def _run_fwd(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
     o, lse = _forward(st, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent)
-    o = o.astype(q.dtype)
+    # Named, so that a remat policy may keep them (SAVED) rather than run the forward again.
+    o, lse = (checkpoint_name(x, SAVED) for x in (o.astype(q.dtype), lse))
     return o, (q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent, o, lse)
 
 

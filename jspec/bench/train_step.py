@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 def batch(run: train_rl.Run, prompt_len: int, mean_response: float, seed: int = 0):
     """A packed batch of the run's shapes: rl.batch random sequences, packed as train_rl packs
-    them (in rl.packed_rows rows where they fit)."""
+    them (in the fewest of rl.packed_rows rows that hold them)."""
     rl, new = run.rl, run.cfg.rollout.max_new_tokens
     rng = np.random.default_rng(seed)
     b, v = rl.batch, run.cfg.model.vocab_size

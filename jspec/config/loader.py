@@ -73,6 +73,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]
+        elif isinstance(value, int | float):  # one value for a list of one
+            value = [value]
         if not isinstance(value, Sequence):
             raise ConfigError(f"{where}={value!r} must be a list.")
         (elem, *_) = typing.get_args(tp)

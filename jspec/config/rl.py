@@ -58,10 +58,11 @@ class RLConfig:
     answers, then makes `steps` RL steps (0: the warm start alone, exported as a run's end is).
     Each RL step samples `prompts` prompts, `group_size` responses each (the batch is their
     product), packs `sequences_per_row` sequences into each training row, and makes one update of
-    policy and draft. With `packed_rows` (0: off) the rows of an RL step are that many, as long,
-    filled by the sequences' real lengths (responses mostly end before rollout.max_new_tokens), and
-    a step whose sequences do not fit takes the rows of every sequence at full length (a second
-    compiled train step, said in the metrics' `packed_rows`).
+    policy and draft. With `packed_rows` (empty: off) the rows of an RL step are the fewest of
+    these counts that hold its sequences by their real lengths, each row as long (responses mostly
+    end before rollout.max_new_tokens, so the train step computes on fewer padded tokens), and a
+    step whose sequences fit none of them takes the rows of every sequence at full length. Each
+    count taken compiles the train step once; the metrics' `packed_rows` says which a step took.
 
     The draft loss (weight `draft_loss_weight`) runs the trunk pass and `ttt_steps` branch steps
     of the training-time test, step i weighted `ttt_decay`**i, in chunks of `loss_chunk` tokens
@@ -107,7 +108,7 @@ class RLConfig:
     prompts: int = 8
     group_size: int = 8
     sequences_per_row: int = 4
-    packed_rows: int = 0
+    packed_rows: tuple[int, ...] = ()
     draft_rows: int = 0
     sft_steps: int = 300
     sft_batch: int = 64
@@ -160,16 +161,18 @@ class RLConfig:
         for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
-        if not 0 <= self.packed_rows <= self.batch // self.sequences_per_row:
-            raise ConfigError(
-                f"{where}.packed_rows={self.packed_rows} must be in [0, batch / sequences_per_row "
-                f"= {self.batch // self.sequences_per_row}] (0: every sequence at full length)."
-            )
-        rows = self.packed_rows or self.batch // self.sequences_per_row
+        full = self.batch // self.sequences_per_row
+        for count in self.packed_rows:
+            if not 1 <= count <= full:
+                raise ConfigError(
+                    f"{where}.packed_rows={list(self.packed_rows)}: {count} must be in [1, batch / "
+                    f"sequences_per_row = {full}] (an empty list: every sequence at full length)."
+                )
+        rows = min(self.packed_rows, default=full)
         if not 0 <= self.draft_rows <= rows:
             raise ConfigError(
-                f"{where}.draft_rows={self.draft_rows} must be in [0, {rows}], the training rows "
-                f"of a step ({where}.packed_rows, else batch / sequences_per_row; 0: all)."
+                f"{where}.draft_rows={self.draft_rows} must be in [0, {rows}], the fewest training "
+                f"rows of a step ({where}.packed_rows, else batch / sequences_per_row; 0: all)."
             )
         if self.batch % self.sequences_per_row:
             raise ConfigError(
@@ -233,10 +236,10 @@ class RLConfig:
                 f"{self.sequences_per_row}) do not split over mesh.data={sizes['data']}; lower "
                 "rl.sequences_per_row or raise rl.prompts so the rows are a multiple of it."
             )
-        if self.packed_rows % sizes["data"]:
+        if any(count % sizes["data"] for count in self.packed_rows):
             raise ConfigError(
-                f"rl.packed_rows={self.packed_rows} does not split over mesh.data={sizes['data']}; "
-                "make it a multiple of it."
+                f"rl.packed_rows={list(self.packed_rows)} do not all split over mesh.data="
+                f"{sizes['data']}; make each a multiple of it."
             )
         sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)
         if rem or sft_rows % sizes["data"]:

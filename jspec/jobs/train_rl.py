@@ -248,18 +248,18 @@ class Run:
 
     def pack(self, *arrays) -> tuple[packing.PackedBatch, int]:
         """This process's packed rows of an RL batch (`arrays`: prompts, their lengths,
-        responses, their lengths, log-probabilities, advantages) and the global row count:
-        rl.packed_rows rows filled by real lengths when every process's sequences fit in its
-        share of them, else a row for every rl.sequences_per_row sequences."""
+        responses, their lengths, log-probabilities, advantages) and the global row count: the
+        fewest of rl.packed_rows rows filled by real lengths in whose share every process's
+        sequences fit, else a row for every rl.sequences_per_row sequences."""
         rl = self.rl
         pack = lambda rows: packing.pack(
             *arrays, per_row=rl.sequences_per_row, align=self.align, rows=rows
         )
-        if rl.packed_rows:
-            share = hosts.local_rows(self.rows, rl.packed_rows)
+        for count in sorted(rl.packed_rows):
+            share = hosts.local_rows(self.rows, count)
             dense = pack(share.stop - share.start)
             if hosts.gather([dense is not None]).all():  # one shape on every process
-                return dense, rl.packed_rows
+                return dense, count
         return pack(None), rl.batch // rl.sequences_per_row
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):

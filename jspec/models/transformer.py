@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jspec import mesh as mesh_lib
+from jspec.attention import SAVED as SAVED_ATTENTION
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
 from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
@@ -187,10 +188,16 @@ class Block(nnx.Module):
 
 def remat_layer(body, remat: str, static_argnums=()):
     """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
-    'dots' also the weight matmuls, 'none' everything."""
+    'dots' also the weight matmuls and attention's output (its backward then needs no second
+    forward), 'none' everything."""
     if remat == "none":
         return body
-    policy = None if remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    policy = None
+    if remat == "dots":
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(SAVED_ATTENTION),
+        )
     return jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=static_argnums)
 
 

@@ -23,6 +23,7 @@ import jax
 import pytest
 
 from jspec import config as config_lib
+from jspec.bench import plan_check
 from jspec.jobs import plan
 
 SMALL = [
@@ -293,3 +294,34 @@ def test_a_topology_without_libtpu_names_the_install(monkeypatch, planner_env):
     argv = ["--config", "tiny", "--mesh", "data=4", "--topology", "v5p:2x2x1"]
     with pytest.raises(config_lib.ConfigError, match=r"v5p:2x2x1.*pip install -e '\.\[tpu\]'"):
         plan.main(argv)
+
+
+def test_without_a_gpu_the_gpu_plan_is_refused_before_compiling(planner_env):
+    with pytest.raises(config_lib.ConfigError, match=r"--gpu: this machine has no GPU"):
+        plan.main(["--config", "tiny", "--mesh", "data=1", "--gpu"])
+
+
+@pytest.mark.parametrize("program", plan_check.PROGRAMS)
+def test_the_plan_check_runs_the_planned_program_on_inputs_of_its_shapes(monkeypatch, program):
+    """What `jspec.bench.plan_check` runs on the GPU to measure a program's peak, on the CPU:
+    the program the planner compiles, called on inputs made from its abstract arguments."""
+    monkeypatch.setitem(plan_check.CASES, "tiny", ("tiny", (), 64, 2, 2))
+    compiled, abstract = plan_check.compiled_program("tiny", program, jax.devices()[:1])
+    jax.block_until_ready(compiled(*plan_check.materialize(abstract)))
+    figures = plan_check.measure("tiny", program, "cpu")
+    assert figures["planned_above_inputs"] == plan.Figures.of(compiled).temporaries + (
+        figures["outputs"] - figures["aliased"]
+    )
+
+
+@pytest.mark.parametrize(
+    "topology, message",
+    [
+        ("8-8", r"write HOSTSxGPUS"),
+        ("0x8", r"write HOSTSxGPUS"),
+        ("2x4", r"this machine has no GPU"),
+    ],
+)
+def test_a_gpu_topology_is_checked_before_compiling(topology, message, planner_env):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        plan.main(["--config", "tiny", "--mesh", "data=8", "--gpu-topology", topology])

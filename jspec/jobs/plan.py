@@ -18,13 +18,24 @@ and reports what XLA's SPMD partitioner gives one device (`memory_analysis`, `co
 - the peak of each program (arguments + temporaries + outputs not aliased to donated inputs), and
   its FLOPs (the rollout's while loop counted once: the prefill and one verify step).
 
-The CPU compiler schedules and fuses differently from the GPU's, so the report calls itself a CPU
-estimate: `tests/test_plan.py` checks the activation figure against the memory a CPU run actually
-takes, and a GPU compile of the same train step has measured 1.5-1.8x lower temporaries (the cuDNN
-/ Pallas attention kernels need less workspace than the CPU's blockwise attention; BENCHMARKS.md,
-"The planner's report"). For a mixture of experts the report states what its figures assume:
-experts per device, the dropless dispatch's receive buffers, and the CPU's grouped matmuls, which
-copy their rows once per local expert where a Hopper GPU's kernels do not (an upper estimate).
+    python -m jspec.jobs.plan --config code-rl --gpu     # on a GPU machine: its own compiler
+    python -m jspec.jobs.plan --config qwen3-8b-256k --gpu-topology 8x8   # 64 GPUs, on one
+
+With `--gpu` the programs are compiled for this machine's GPUs (the mesh must fit them) by XLA's
+GPU compiler, with the Pallas GPU kernels 'auto' picks there: the GPU's own figures, which
+`jspec.bench.plan_check` compares with the memory the programs take when they run. With
+`--gpu-topology HOSTSxGPUS` jax's CUDA plugin describes that many GPUs of this machine's kind as
+compile-only devices (its one GPU gives the target and autotunes the kernels), and XLA partitions
+the programs for them, collectives included: a cluster's figures from one of its GPUs.
+
+Without either, the CPU compiler schedules and fuses differently from the GPU's, so the report
+calls itself a CPU estimate: `tests/test_plan.py` checks the activation figure against the memory a
+CPU run actually takes, and a GPU compile of the same train step has measured 1.5-1.8x lower
+temporaries (the cuDNN / Pallas attention kernels need less workspace than the CPU's blockwise
+attention; BENCHMARKS.md, "The planner's report"). For a mixture of experts the report states what
+its figures assume: experts per device, the dropless dispatch's receive buffers, and the CPU's
+grouped matmuls, which copy their rows once per local expert where a Hopper GPU's kernels do not
+(an upper estimate).
 
     python -m jspec.jobs.plan --config qwen3-8b-32k --topology v5p:2x2x2
     python -m jspec.jobs.plan --config qwen3-8b-32k --topology v5p:4x4x4 --mesh data=8,tensor=8
@@ -86,8 +97,23 @@ def parse_args(argv=None):
         "--memory",
         type=float,
         default=None,
-        help="GB per device (default: an H200's 141; for a --topology the chip's HBM:\n"
+        help="GB per device (default: an H200's 141; with --gpu what XLA may allocate of it;\n"
+        "for a --topology the chip's HBM:\n"
         "v4 32, v5p 95, v5e 16, v6e 32; a v4 chip is two devices, 16 each)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="compile for this machine's GPUs with XLA's GPU compiler (the mesh must fit them):\n"
+        "the GPU's own figures, not the CPU estimate",
+    )
+    p.add_argument(
+        "--gpu-topology",
+        default=None,
+        metavar="HOSTSxGPUS",
+        help="compile for HOSTS hosts of GPUS GPUs each (e.g. 8x8) with XLA's GPU compiler,\n"
+        "on a machine with one GPU of the kind planned for: compile-only devices of its kind\n"
+        "(its GPU autotunes the kernels); --mesh must multiply to HOSTS * GPUS",
     )
     p.add_argument(
         "--topology",
@@ -200,15 +226,60 @@ def topology_devices(name: str) -> list:
         ) from None
 
 
-def mesh_devices(topology: str | None, mesh: config_lib.MeshConfig) -> list:
-    """The devices to plan on: the TPU slice's for a `--topology`, else one virtual CPU device
-    per mesh position. Call it before jax starts its backend: it sets the CPU's device count."""
+def gpu_devices(need: int) -> list:
+    """This machine's first `need` GPUs, to compile for (`--gpu`); an error naming what it has
+    when they are fewer."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) < need:
+        raise ConfigError(
+            f"--gpu: the mesh needs {need} GPUs and this machine has {len(gpus)}; plan a mesh "
+            f"of at most {len(gpus)} devices with --mesh, or leave out --gpu for the CPU estimate."
+            if gpus
+            else "--gpu: this machine has no GPU that jax can use (jax.devices('gpu') is empty); "
+            "run the planner on the GPU machine, or leave out --gpu for the CPU estimate."
+        )
+    return gpus[:need]
+
+
+def gpu_topology_devices(name: str) -> list:
+    """Compile-only devices of `name` ('HOSTSxGPUS') of this machine's GPU kind: jax's CUDA
+    plugin describes them from the local GPU (its target config, and its autotuning), so XLA's
+    GPU compiler partitions for a cluster that one GPU stands in for."""
+    match = re.fullmatch(r"(\d+)x(\d+)", name)
+    if match is None or 0 in (hosts := int(match[1]), per_host := int(match[2])):
+        raise ConfigError(
+            f"--gpu-topology {name!r}: write HOSTSxGPUS, the hosts and the GPUs of each, e.g. 8x8."
+        )
+    gpu_devices(1)  # the GPU that stands in: a clear error without one
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}").devices
+
+
+def mesh_devices(
+    topology: str | None, mesh: config_lib.MeshConfig, gpu: str | bool = False
+) -> list:
+    """The devices to plan on: this machine's GPUs with `gpu` True, the compile-only GPUs of a
+    `--gpu-topology` given as `gpu`, the TPU slice's for a `--topology`, else one virtual CPU
+    device per mesh position. Call it before jax starts its backend: it sets the CPU's device
+    count."""
     need = math.prod(dataclasses.astuple(mesh))
+    if gpu and topology is not None:
+        raise ConfigError(f"a GPU target and --topology {topology}: compile for one; pick one.")
+    if gpu:
+        return gpu_devices(need) if gpu is True else gpu_topology_devices(gpu)
     if topology is None:
         mesh_lib.use_cpu_devices(need)
         return jax.devices()[:need]
     mesh_lib.use_cpu_devices(1)  # the host only compiles: jax must not look for a TPU on it
     return topology_devices(topology)
+
+
+def _is_gpu(device) -> bool:
+    return device.platform in ("gpu", "cuda", "rocm")
 
 
 def _chips(devices) -> int:
@@ -224,10 +295,13 @@ def hardware(devices: int, chips: int, kind: str) -> str:
 
 
 def device_memory(devices, memory_gb: float | None, topology: str | None) -> float:
-    """GB per device to judge the peaks by: --memory, else an H200's for the CPU estimate, else the
+    """GB per device to judge the peaks by: --memory, else what XLA may allocate of this machine's
+    GPU (planned for, or standing in for a --gpu-topology), an H200's for the CPU estimate, or the
     TPU chip's HBM shared by its devices. Known before compiling, so an unknown chip stops here."""
     if memory_gb is not None:
         return memory_gb
+    if _is_gpu(devices[0]):
+        return jax.devices("gpu")[0].memory_stats()["bytes_limit"] / GB
     if devices[0].platform != "tpu":
         return H200_GB
     kind = devices[0].device_kind
@@ -330,8 +404,8 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
 
 
 def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batch: int):
-    """The compiled speculative rollout of `batch` prompts of `prompt_len` tokens, its rows split
-    over data x context as `jspec.jobs.train_rl` places them."""
+    """(compiled rollout, its abstract arguments): the speculative rollout of `batch` prompts of
+    `prompt_len` tokens, its rows split over data x context as `jspec.jobs.train_rl` places them."""
 
     def run(params, prompts, lengths, key):
         policy, draft = networks.models(params)
@@ -346,7 +420,8 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
     key = jax.ShapeDtypeStruct(
         key_type.shape, key_type.dtype, sharding=NamedSharding(networks.mesh, PartitionSpec())
     )
-    return jax.jit(run).lower(params, prompts, lengths, key).compile()
+    args = (params, prompts, lengths, key)
+    return jax.jit(run).lower(*args).compile(), args
 
 
 def plan(
@@ -367,7 +442,7 @@ def plan(
     train, state, _ = train_step(cfg, networks, params, seq_len, rows)
     new_tokens = cfg.rollout.max_new_tokens
     decode = rollout_batch or sizes["data"] * sizes["context"]
-    roll = rollout_step(cfg, networks, params, seq_len - new_tokens, decode)
+    roll, _ = rollout_step(cfg, networks, params, seq_len - new_tokens, decode)
     return Plan(
         _bytes(state.params),
         _bytes(state.opt_state),
@@ -393,14 +468,14 @@ def _flop(n: float) -> str:
 def target(p: Plan, devices: int, topology: str | None = None) -> str:
     """The report's first line: whose figures these are (the compiler and its jax version, and for
     a TPU slice its topology and chips), so no one reads them as a GPU's or another version's."""
-    name = p.platform.upper()
+    name = "GPU" if p.platform in ("gpu", "cuda", "rocm") else p.platform.upper()
     compiler = f"XLA {name} compiler of jax {jax.__version__}"
     if topology is not None:
         chips = hardware(devices, p.chips, p.device_kind)
         return f"{name} compile ({compiler} for topology {topology}, {chips})"
-    virtual = " virtual" if p.platform == "cpu" else ""
-    kind = "estimate" if p.platform == "cpu" else "compile"
-    return f"{name} {kind} ({compiler} on {devices}{virtual} device{'s' * (devices > 1)})"
+    if p.platform == "cpu":
+        return f"CPU estimate ({compiler} on {devices} virtual device{'s' * (devices > 1)})"
+    return f"{name} compile ({compiler} for {devices} {p.device_kind})"
 
 
 def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
@@ -466,10 +541,12 @@ def report(
 def main(argv=None) -> Plan:
     args = parse_args(argv)
     cfg, seq_len = plan_config(args)
-    devices = mesh_devices(args.topology, cfg.mesh)
+    if args.gpu and args.gpu_topology:
+        raise ConfigError("--gpu and --gpu-topology: the second names the GPUs; give one of them.")
+    devices = mesh_devices(args.topology, cfg.mesh, args.gpu_topology or args.gpu)
     memory = device_memory(devices, args.memory, args.topology)
     result = plan(cfg, seq_len, devices, args.rows, args.rollout_batch)
-    print(report(cfg, result, seq_len, memory, args.topology))
+    print(report(cfg, result, seq_len, memory, args.topology or args.gpu_topology))
     return result
 
 

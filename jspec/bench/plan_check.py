@@ -1,0 +1,158 @@
+"""The planner's figures against the memory its programs take when they run, on this machine's GPU.
+
+    python -m jspec.bench.plan_check                  # on a GPU machine: every case below
+    python -m jspec.bench.plan_check --cases code-rl  # one of them
+
+For each case (a config and its overrides, tokens per training row, training rows, the rollout's
+batch) and each of its two programs (the co-training train step, the speculative rollout), a
+fresh process compiles the program as `python -m jspec.jobs.plan --gpu` does, for the first GPU,
+runs it once on inputs of the planned shapes and shardings (zeros, the rollout's prompts of one
+token: the memory is static), and reads the device's peak: the peak above the inputs is what the
+planner calls temporaries plus the outputs not aliased to donated inputs. A second process gives
+the CPU estimate of the same program (`python -m jspec.jobs.plan`). Prints a Markdown table
+(GPU compile and CPU estimate, each against the measured peak) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jspec import mesh as mesh_lib
+from jspec.jobs import cli, plan
+
+# name: (config, overrides, tokens per training row, training rows, rollout batch). The Qwen3-8B
+# shape keeps 12 of its 36 layers, so that its float32 parameters and Adam state fit one H200.
+CASES = {
+    "code-rl": ("code-rl", (), 3200, 16, 128),
+    "qwen3-8b-12-layers": (
+        "qwen3-8b",
+        ("model.num_layers=12", "model.tap_layers=[1,5,9]", "rollout.max_new_tokens=1024"),
+        8192,
+        1,
+        16,
+    ),
+}
+PROGRAMS = ("train", "rollout")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_plan_check.json"))
+    p.add_argument("--measure", nargs=3, metavar=("CASE", "PROGRAM", "PLATFORM"), help="internal")
+    return p.parse_args(argv)
+
+
+def compiled_program(case: str, program: str, devices):
+    """(the compiled `program` of `case` for `devices`, its abstract arguments)."""
+    name, overrides, seq_len, rows, batch = CASES[case]
+    one = "data=1,stage=1,context=1,tensor=1"
+    given = argparse.Namespace(config=name, overrides=list(overrides), mesh=one, seq_len=seq_len)
+    cfg, seq_len = plan.plan_config(given)
+    networks, params = plan.abstract_networks(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    if program == "train":
+        compiled, state, packed = plan.train_step(cfg, networks, params, seq_len, rows)
+        return compiled, (state, packed)
+    return plan.rollout_step(cfg, networks, params, seq_len - cfg.rollout.max_new_tokens, batch)
+
+
+def materialize(abstract):
+    """Arrays of `abstract`'s shapes, dtypes and shardings: zeros (typed keys from seed 0)."""
+
+    def make(s):
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.random.key(0)
+        return jnp.ones(s.shape, s.dtype) if s.dtype == jnp.int32 else jnp.zeros(s.shape, s.dtype)
+
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
+    return jax.jit(lambda: jax.tree.map(make, abstract), out_shardings=shardings)()
+
+
+def measure(case: str, program: str, platform: str) -> dict:
+    """The planner's figures of one program compiled for `platform` ('gpu': this machine's first
+    GPU, also run there for its measured peak above the inputs; 'cpu': one virtual CPU device)."""
+    devices = plan.gpu_devices(1) if platform == "gpu" else jax.devices("cpu")[:1]
+    compiled, abstract = compiled_program(case, program, devices)
+    figures = plan.Figures.of(compiled)
+    out = {"planned_above_inputs": figures.peak - figures.arguments, **figures._asdict()}
+    if platform == "gpu":
+        out["measured_above_inputs"] = peak_above_inputs(compiled, abstract, devices[0])
+    return out
+
+
+def peak_above_inputs(compiled, abstract, device) -> int:
+    """Bytes `device` held at its peak beyond the inputs while `compiled` ran once on inputs of
+    `abstract`'s shapes (the device's first peak in this process: nothing before it may be
+    larger)."""
+    args = materialize(abstract)
+    before = device.memory_stats()["bytes_in_use"]
+    jax.block_until_ready(compiled(*args))
+    return device.memory_stats()["peak_bytes_in_use"] - before
+
+
+def in_process(case: str, program: str, platform: str) -> dict:
+    """`measure` in a process of its own: the device's peak counts that program alone."""
+    env = dict(os.environ)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, "-m", "jspec.bench.plan_check", "--measure", case, program, platform]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    gb = lambda x: f"{x / plan.GB:.2f}"
+    lines = [
+        "| case | program | measured GB | GPU compile GB | GPU / measured | CPU estimate GB | "
+        "CPU / measured |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        m, g, c = r["measured"], r["gpu_planned"], r["cpu_planned"]
+        lines.append(
+            f"| {r['case']} | {r['program']} | {gb(m)} | {gb(g)} | {g / m:.3f} | {gb(c)} | "
+            f"{c / m:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(*args.measure)))
+        return
+    plan.gpu_devices(1)  # a clear error before any process starts
+    rows = []
+    for case in args.cases:
+        for program in PROGRAMS:
+            gpu, cpu = (in_process(case, program, p) for p in ("gpu", "cpu"))
+            rows.append(
+                {
+                    "case": case,
+                    "program": program,
+                    "measured": gpu["measured_above_inputs"],
+                    "gpu_planned": gpu["planned_above_inputs"],
+                    "cpu_planned": cpu["planned_above_inputs"],
+                    "gpu": gpu,
+                    "cpu": cpu,
+                }
+            )
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    args.out.write_text(
+        json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

@@ -91,6 +91,7 @@ def test_every_speedup_is_quoted_with_its_temperature_trees_and_draft(tmp_path):
     assert bench_rollout.provenance(args) == random_draft
     report = {"args": {"draft_steps": 3000}, "draft_top1_agreement": 0.7712}
     (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "draft").mkdir()  # where train_code_lm writes its EAGLE-3 draft
     trained = bench_rollout.provenance(bench_rollout.parse_args(["--trained", str(tmp_path)]))
     assert trained["temperature"] == 0.0 and trained["draft"].startswith("trained offline")
     assert (trained["draft_steps"], trained["draft_top1_agreement"]) == (3000, 0.771)

@@ -393,6 +393,9 @@ def test_a_step_takes_the_fewest_packed_rows_that_hold_its_sequences():
         assert count == rows and packed.tokens.shape == (rows, 32)
         placed = np.bincount(packed.sequence[packed.response], minlength=64)
         assert (placed == response).all()  # every response token, once
+    # On more data shards each count rounds up to a multiple of them: the rows split over them.
+    counts = dataclasses.replace(RL, prompts=32, packed_rows=(10, 12, 14, 16))
+    assert [counts.row_counts(n) for n in (1, 4, 8)] == [[10, 12, 14, 16], [12, 16], [16]]
 
 
 def test_a_step_whose_sequences_do_not_fit_the_packed_rows_takes_the_full_layout(tmp_path, cache):

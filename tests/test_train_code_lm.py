@@ -75,9 +75,13 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
     train_code_lm.main(args)
     assert calls[:1] == [3], calls  # the target loaded, the draft resumed after its step 3
     assert not (killed / "training/draft/checkpoints").exists()
-    metrics = lambda run, stage: (run / "training" / stage / "metrics.jsonl").read_text()
+
+    def metrics(run, stage):  # each step's, but its wall seconds
+        lines = (run / "training" / stage / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines]
+
     for stage in ("target", "draft"):  # one line a step, as the uninterrupted run's
-        assert [json.loads(r)["step"] for r in metrics(killed, stage).splitlines()] == [0, 1, 2, 3]
+        assert [step["step"] for step in metrics(killed, stage)] == [0, 1, 2, 3]
         assert metrics(killed, stage) == metrics(whole, stage), stage
 
     load = lambda run: jax.tree.leaves(hf_eagle3.load(run / "draft")[0])
@@ -86,7 +90,12 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
 
     # the run as `bench_rollout --trained --check-greedy` reads it: float32 models, held-out prompts
     bench = argparse.Namespace(
-        trained=whole, prompt_len=16, batches=[1], prompts_per_row=1, acceptance_rows=2
+        trained=whole,
+        draft_kind=None,
+        prompt_len=16,
+        batches=[1],
+        prompts_per_row=1,
+        acceptance_rows=2,
     )
     target, draft, prompts = bench_rollout.trained(bench, dtype="float32")
     params = lambda model: jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -105,7 +114,12 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     shipped, target = hf.load(tmp_path / "mtp"), hf.load(tmp_path / "target")
     np.testing.assert_array_equal(shipped.embed[...], target.embed[...])
     bench = argparse.Namespace(
-        trained=tmp_path, prompt_len=16, batches=[1], prompts_per_row=1, acceptance_rows=2
+        trained=tmp_path,
+        draft_kind=None,
+        prompt_len=16,
+        batches=[1],
+        prompts_per_row=1,
+        acceptance_rows=2,
     )
     _, head, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
     assert head.features == "final" and not (tmp_path / "draft").exists()
@@ -134,7 +148,10 @@ def test_an_mtp_head_trained_with_the_target_ships_from_the_first_step(tmp_path)
 def test_a_block_draft_is_trained_and_saved_in_dflashs_layout(tmp_path):
     """--draft-kind block: the draft stage trains a block draft on the frozen target and writes
     block/ in DFlash's layout, which RL reads as rollout.draft.path and the rollout benchmark with
-    chains (the layout's round trip is tests/test_block.py's)."""
+    chains (the layout's round trip is tests/test_block.py's). The run directory already holds
+    an EAGLE-3 draft of the same target: both stay, report.json says the steps, seconds and
+    agreement of each, and the benchmark runs either (`--draft-kind`; by default the latest)."""
+    train_code_lm.main([*ARGS, "--run-dir", str(tmp_path)])
     train_code_lm.main([*ARGS, "--draft-kind", "block", "--run-dir", str(tmp_path)])
     target = hf.load(tmp_path / "target")
     config = DraftConfig(kind="block", path=str(tmp_path / "block"))
@@ -146,7 +163,14 @@ def test_a_block_draft_is_trained_and_saved_in_dflashs_layout(tmp_path):
     _, draft, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
     assert isinstance(draft, BlockDraft)
     report = json.loads((tmp_path / "report.json").read_text())
-    assert 0 <= report["draft_top1_agreement"] <= 1 and not (tmp_path / "draft").exists()
+    assert sorted(report["drafts"]) == ["block", "eagle3"]
+    assert report["drafts"]["block"]["draft_top1_agreement"] == report["draft_top1_agreement"]
+    assert all(d["draft_steps"] == 4 and d["draft_seconds"] > 0 for d in report["drafts"].values())
+    eagle3 = bench_rollout.parse_args([*argv, "--draft-kind", "eagle3"])
+    assert bench_rollout.provenance(eagle3)["draft_kind"] == "eagle3"
+    assert not isinstance(bench_rollout.trained(eagle3, dtype="float32")[1], BlockDraft)
+    with pytest.raises(ConfigError, match=r"--draft-kind mtp: .* holds block, eagle3|holds eagle3"):
+        bench_rollout.provenance(bench_rollout.parse_args([*argv, "--draft-kind", "mtp"]))
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):

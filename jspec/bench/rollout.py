@@ -53,7 +53,7 @@ from jspec.attention.decode import cache_slots
 from jspec.bench.greedy_check import check_greedy
 from jspec.bench.kernel_profile import loop_kernels
 from jspec.bench.timing import best_time, log, loop_seconds
-from jspec.config import KernelConfig, RolloutConfig, TreeConfig
+from jspec.config import ConfigError, KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
 from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
@@ -130,6 +130,12 @@ def parse_args(argv=None):
         metavar="RUN_DIR",
         help="target, draft and held-out prompts written by jspec.jobs.train_code_lm",
     )
+    p.add_argument(
+        "--draft-kind",
+        choices=("eagle3", "mtp", "block"),
+        default=None,
+        help="with --trained: which of the run's drafts (default: its latest run's kind)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
         "--check-greedy",
@@ -184,7 +190,7 @@ CHAIN_TREES = {True: ("sampled chain 4", "sampled chain 6"), False: ("chain 4", 
 def default_trees(args) -> tuple[str, ...]:
     """`DEFAULT_TREES` at the run's temperature; chains only for a block draft (`--trained` of
     a `--draft-kind block` run), which proposes nothing else."""
-    block = args.trained is not None and (pathlib.Path(args.trained) / "block").is_dir()
+    block = args.trained is not None and trained_kind(args) == "block"
     return (CHAIN_TREES if block else DEFAULT_TREES)[args.temperature > 0]
 
 
@@ -496,13 +502,39 @@ def provenance(args) -> dict:
     if not args.trained:
         return dict(temperature=args.temperature, draft="random weights: speed only")
     report = json.loads((pathlib.Path(args.trained) / "report.json").read_text())
+    kind = trained_kind(args)
+    trained = report.get("drafts", {}).get(kind) or {
+        "draft_steps": report["args"]["draft_steps"],
+        "draft_top1_agreement": report["draft_top1_agreement"],
+    }
     return dict(
         temperature=args.temperature,
         draft="trained offline by jspec.jobs.train_code_lm",
-        draft_kind=report["args"].get("draft_kind", "eagle3"),
-        draft_steps=report["args"]["draft_steps"],
-        draft_top1_agreement=round(report["draft_top1_agreement"], 3),
+        draft_kind=kind,
+        draft_steps=trained["draft_steps"],
+        draft_seconds=trained.get("draft_seconds"),
+        draft_top1_agreement=round(trained["draft_top1_agreement"], 3),
     )
+
+
+DRAFT_DIRS = {"eagle3": "draft", "mtp": "mtp", "block": "block"}  # in a train_code_lm run
+
+
+def trained_kind(args) -> str:
+    """The draft kind of `--trained RUN_DIR` to run: `--draft-kind`, else the one its latest
+    train_code_lm run trained; an error when RUN_DIR holds none of that kind."""
+    run = pathlib.Path(args.trained)
+    kind = args.draft_kind
+    if kind is None:
+        kind = json.loads((run / "report.json").read_text())["args"].get("draft_kind", "eagle3")
+    if not (run / DRAFT_DIRS[kind]).is_dir():
+        held = [k for k, d in DRAFT_DIRS.items() if (run / d).is_dir()]
+        raise ConfigError(
+            f"--draft-kind {kind}: {run} holds no {kind} draft ({run / DRAFT_DIRS[kind]}); it "
+            f"holds {', '.join(held) or 'none'}: train one with `python -m "
+            f"jspec.jobs.train_code_lm --run-dir {run} --draft-kind {kind}`."
+        )
+    return kind
 
 
 def queue_length(batch: int, args) -> int:
@@ -554,11 +586,11 @@ def trained(args, dtype: str = "bfloat16"):
     `dtype`, and
     prompts: the first `--prompt-len` tokens of each held-out file that has that many (rows repeat
     files if needed)."""
-    run = pathlib.Path(args.trained)
+    run, kind = pathlib.Path(args.trained), trained_kind(args)
     target = hf.load(run / "target", dtype=dtype)
-    if (run / "mtp").is_dir():  # train_code_lm --draft-kind mtp: the head beside the target
+    if kind == "mtp":  # the head beside the target, in MiMo's layout
         draft = hf_mtp.load(run / "mtp", target.config)
-    elif (run / "block").is_dir():  # --draft-kind block: DFlash's layout
+    elif kind == "block":  # DFlash's layout
         draft = hf_block.load(run / "block", target.config, target_embedding=target.embed[...])
     else:
         draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)

@@ -62,7 +62,8 @@ class RLConfig:
     these counts that hold its sequences by their real lengths, each row as long (responses mostly
     end before rollout.max_new_tokens, so the train step computes on fewer padded tokens), and a
     step whose sequences fit none of them takes the rows of every sequence at full length. Each
-    count taken compiles the train step once; the metrics' `packed_rows` says which a step took.
+    count is rounded up to a multiple of mesh.data (the rows split over it), and each count taken
+    compiles the train step once; the metrics' `packed_rows` says which a step took.
 
     The draft loss (weight `draft_loss_weight`) runs the trunk pass and `ttt_steps` branch steps
     of the training-time test, step i weighted `ttt_decay`**i, in chunks of `loss_chunk` tokens
@@ -135,6 +136,11 @@ class RLConfig:
     @property
     def batch(self) -> int:
         return self.prompts * self.group_size
+
+    def row_counts(self, shards: int) -> list[int]:
+        """`packed_rows` for rows split `shards` ways (the data axis), in order: each count
+        rounded up to a multiple of `shards`, so a config for one device runs on more."""
+        return sorted({-(-count // shards) * shards for count in self.packed_rows})
 
     def validate(self, where: str = "rl") -> None:
         self.task.validate(f"{where}.task")
@@ -235,11 +241,6 @@ class RLConfig:
                 f"the {rows} packed training rows (batch {self.batch} / rl.sequences_per_row="
                 f"{self.sequences_per_row}) do not split over mesh.data={sizes['data']}; lower "
                 "rl.sequences_per_row or raise rl.prompts so the rows are a multiple of it."
-            )
-        if any(count % sizes["data"] for count in self.packed_rows):
-            raise ConfigError(
-                f"rl.packed_rows={list(self.packed_rows)} do not all split over mesh.data="
-                f"{sizes['data']}; make each a multiple of it."
             )
         sft_rows, rem = divmod(self.sft_batch, self.sequences_per_row)
         if rem or sft_rows % sizes["data"]:

@@ -295,6 +295,7 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     state, done = loop.resume(lambda: fresh) or (fresh, 0)
     params, opt_state = state["params"], state["opt_state"]
     start, every = time.perf_counter(), max(stage.steps // 20, 1)
+    last = start
     for i in range(done, stage.steps):
         params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
         shown = i % every == 0 or i == stage.steps - 1
@@ -305,7 +306,12 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
                 flush=True,
             )
         state = dict(params=params, opt_state=opt_state)
-        loop.step_done(i + 1, state, {"loss": loss, stage.metric: metric}, flush=shown)
+        # Host seconds since the step before: summed, the stage's wall time (a shown step waits
+        # for the device), which `stage_seconds` reads back.
+        now = time.perf_counter()
+        metrics = {"loss": loss, stage.metric: metric, "seconds": now - last}
+        last = now
+        loop.step_done(i + 1, state, metrics, flush=shown)
     return nnx.merge(graphdef, params[name], rest)
 
 
@@ -546,14 +552,35 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     return target, draft
 
 
-def write_report(args, run: pathlib.Path, target, draft, corpus: Corpus, mesh) -> None:
+def stage_seconds(run: pathlib.Path, stage: str) -> float | None:
+    """The wall seconds of `stage`'s steps in `run` (summed over the runs that made them, the
+    first step's compile included), None where its metrics do not hold them."""
+    path = run / "training" / stage / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    if not steps or any("seconds" not in step for step in steps):
+        return None
+    return sum(step["seconds"] for step in steps)
+
+
+def write_report(args, run: pathlib.Path, stage: str, target, draft, corpus: Corpus, mesh) -> None:
     """Held-out loss and agreement to report.json (and the terminal), the held-out files to
-    heldout.json."""
+    heldout.json. Its `drafts` holds each draft kind trained on this target in `run` (one run
+    directory may hold all three), with its steps, training seconds and agreement; the fields
+    outside it are the latest run's."""
     heldout_batches = sampler(*corpus.heldout, args.seq_len, args.batch, seed=1, mesh=mesh)
     report = evaluate(
         target, draft, args.ttt_steps, heldout_batches, args.eval_batches, corpus.bytes_per_token
     )
-    report.update(args=vars(args), config=args.config, eos_token=EOS)
+    before = run / "report.json"
+    drafts = json.loads(before.read_text()).get("drafts", {}) if before.is_file() else {}
+    drafts[args.draft_kind] = dict(
+        draft_steps=args.draft_steps,
+        draft_seconds=stage_seconds(run, stage),
+        draft_top1_agreement=report["draft_top1_agreement"],
+    )
+    report.update(args=vars(args), config=args.config, eos_token=EOS, drafts=drafts)
     print(json.dumps(report, indent=2), flush=True)
     (run / "heldout.json").write_text(json.dumps(corpus.heldout_texts))
     (run / "report.json").write_text(json.dumps(report, indent=2))
@@ -577,7 +604,8 @@ def main(argv=None):
             closing.enter_context(loop)
         corpus = read_corpus(args, cfg.vocab_size, run, limits)
         target, draft = train_models(args, cfg, run, mesh, corpus, loops, limits)
-    write_report(args, run, target, draft, corpus, mesh)
+    _, draft_stage = loops
+    write_report(args, run, draft_stage.name, target, draft, corpus, mesh)
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ class Run:
         pack = lambda rows: packing.pack(
             *arrays, per_row=rl.sequences_per_row, align=self.align, rows=rows
         )
-        for count in sorted(rl.packed_rows):
+        for count in rl.row_counts(mesh_lib.axis_size(self.mesh, "batch")):
             share = hosts.local_rows(self.rows, count)
             dense = pack(share.stop - share.start)
             if hosts.gather([dense is not None]).all():  # one shape on every process

@@ -4,7 +4,6 @@ ends where the uninterrupted run ends, its metrics too; a stage's checkpoint tha
 is set aside, and one written with other flags is refused unless allowed (`jspec.jobs.trainer`,
 as train_rl's)."""
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -29,6 +28,12 @@ ARGS = (
     "--config tiny model.vocab_size=512 --steps 4 --draft-steps 4 --batch 2 --seq-len 64 "
     "--max-bytes 1000000 --eval-batches 1 --save-minutes 0 --heldout 4 --data-parallel 2"
 ).split()
+
+
+def bench_args(run):
+    """The rollout benchmark's arguments for `run`: its held-out prompts of 16 tokens, 2 rows."""
+    argv = ["--trained", str(run), "--prompt-len", "16", "--batches", "1"]
+    return bench_rollout.parse_args([*argv, "--prompts-per-row", "1", "--acceptance-rows", "2"])
 
 
 class Died(Exception):
@@ -89,14 +94,7 @@ def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, m
         np.testing.assert_array_equal(a, b)
 
     # the run as `bench_rollout --trained --check-greedy` reads it: float32 models, held-out prompts
-    bench = argparse.Namespace(
-        trained=whole,
-        draft_kind=None,
-        prompt_len=16,
-        batches=[1],
-        prompts_per_row=1,
-        acceptance_rows=2,
-    )
+    bench = bench_args(whole)
     target, draft, prompts = bench_rollout.trained(bench, dtype="float32")
     params = lambda model: jax.tree.leaves(nnx.state(model, nnx.Param))
     assert {w.dtype for w in params(target) + params(draft)} == {np.dtype("float32")}
@@ -113,14 +111,7 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     train_code_lm.main([*ARGS, "--draft-kind", "mtp", "--run-dir", str(tmp_path)])
     shipped, target = hf.load(tmp_path / "mtp"), hf.load(tmp_path / "target")
     np.testing.assert_array_equal(shipped.embed[...], target.embed[...])
-    bench = argparse.Namespace(
-        trained=tmp_path,
-        draft_kind=None,
-        prompt_len=16,
-        batches=[1],
-        prompts_per_row=1,
-        acceptance_rows=2,
-    )
+    bench = bench_args(tmp_path)
     _, head, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
     assert head.features == "final" and not (tmp_path / "draft").exists()
     assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1

@@ -13,13 +13,17 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
   4. trains the draft (`--draft-kind`) on the frozen target's features and distribution with the
      co-training loss of `jspec.rl.draft_loss` (the training-time test): an EAGLE-3 draft on its
      taps, a multi-token-prediction head on its final hidden state, or a block draft (DFlash
-     style) on its taps, every position of its block,
+     style) on its taps, every position of its block; for --draft-steps, or for --draft-minutes
+     of training (the same time for every kind compared),
   5. reports held-out loss (nats per token, bits per byte) and the draft's top-1 agreement, and
      writes tokenizer, target and draft to `--run-dir`: target/ in the Hugging Face layout with
      the tokenizer (`train_rl rl.policy=RUN_DIR` starts RL from it), draft/ in the public EAGLE-3
      layout, or mtp/: the target again with its head beside it in MiMo's layout, a policy that
      ships its head (`rl.policy=RUN_DIR/mtp rollout.draft.kind=mtp rollout.draft.path=RUN_DIR/mtp`),
      or block/ in DFlash's layout (`rollout.draft.kind=block rollout.draft.path=RUN_DIR/block`).
+     Run again with another --draft-kind on the same RUN_DIR, the target stage is loaded and the
+     new draft trained beside the others; report.json's `drafts` lists each one's steps, seconds
+     and agreement.
 Both stages split the batch over every device (`--data-parallel`; parameters replicated). Each
 stage trains through `jspec.jobs.trainer` (as train_rl does) in `RUN_DIR/training/<stage>/`:
 checkpoints/ every `--save-minutes` (a run that dies resumes from the newest checkpoint of the
@@ -73,6 +77,7 @@ from jspec.rl.draft_loss import draft_loss
 from jspec.rl.state import Group, adamw
 
 EOS = "<eos>"
+WARMUP_STEPS = 20  # of a draft trained for --draft-minutes, to its constant learning rate
 
 
 def parse_args(argv=None):
@@ -113,6 +118,14 @@ def parse_args(argv=None):
         "weighted so in the target's (0: the head is trained after, on the frozen target)",
     )
     p.add_argument("--draft-steps", type=int, default=300)
+    p.add_argument(
+        "--draft-minutes",
+        type=float,
+        default=None,
+        help="train the draft for this many minutes of its steps (at most --draft-steps), at a "
+        "constant learning rate after 20 steps of warmup: drafts of every kind given the same "
+        "minutes are trained for the same time",
+    )
     p.add_argument("--draft-learning-rate", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=16)
@@ -242,6 +255,7 @@ class Stage:
     flags: tuple[str, ...]
     save: Callable
     load: Callable
+    minutes: float | None = None  # a time budget: the steps it takes, at a constant rate
 
 
 # The flags every stage's steps depend on: the corpus, the batches, the devices that split them.
@@ -277,7 +291,10 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params = {name: params}  # the optimizer's one group
     teacher_def, teacher_state = nnx.split(teacher)
-    group = Group(stage.learning_rate, 1.0, weight_decay=0.1, schedule_steps=stage.steps)
+    if stage.minutes is None:  # warmup and cosine decay over the stage's steps
+        group = Group(stage.learning_rate, 1.0, weight_decay=0.1, schedule_steps=stage.steps)
+    else:  # to stop at any step: a constant rate after the warmup
+        group = Group(stage.learning_rate, 1.0, weight_decay=0.1, warmup_steps=WARMUP_STEPS)
     opt = adamw({name: group})
 
     @jax.jit  # the teacher's weights are an argument: as constants they would be compiled in
@@ -295,8 +312,12 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     state, done = loop.resume(lambda: fresh) or (fresh, 0)
     params, opt_state = state["params"], state["opt_state"]
     start, every = time.perf_counter(), max(stage.steps // 20, 1)
-    last = start
+    last, before = start, read_metrics(loop.metrics_path)[:done]  # the steps of earlier runs
+    spent = sum(step.get("seconds", 0.0) for step in before)
     for i in range(done, stage.steps):
+        if stage.minutes is not None and spent + (last - start) >= 60 * stage.minutes:
+            print(f"{name}: {stage.minutes:g} minutes of training after {i} steps", flush=True)
+            break
         params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
         shown = i % every == 0 or i == stage.steps - 1
         if shown:
@@ -434,7 +455,7 @@ def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
         flags = ("steps", "learning_rate", "mtp_weight", "ttt_steps")
         loss = joint_loss_fn(args.mtp_weight, args.ttt_steps)
         target = dataclasses.replace(target, loss=loss, flags=flags, save=save_joint, load=load)
-    draft_flags = ("draft_steps", "draft_learning_rate", "ttt_steps")
+    draft_flags = ("draft_steps", "draft_minutes", "draft_learning_rate", "ttt_steps")
     train_draft = lambda name, save, load: Stage(
         name,
         args.draft_steps,
@@ -444,6 +465,7 @@ def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
         draft_flags,
         save,
         load,
+        args.draft_minutes,
     )
     if args.draft_kind == "mtp":
 
@@ -552,16 +574,19 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     return target, draft
 
 
-def stage_seconds(run: pathlib.Path, stage: str) -> float | None:
-    """The wall seconds of `stage`'s steps in `run` (summed over the runs that made them, the
-    first step's compile included), None where its metrics do not hold them."""
-    path = run / "training" / stage / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    steps = [json.loads(line) for line in path.read_text().splitlines()]
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """A stage's metrics.jsonl, a dict a step (none before its first)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def stage_record(run: pathlib.Path, stage: str) -> tuple[int, float | None]:
+    """(steps, wall seconds) of `stage` in `run`: the steps it made and their seconds summed over
+    the runs that made them, the first step's compile included (None where its metrics do not
+    hold them)."""
+    steps = read_metrics(run / "training" / stage / "metrics.jsonl")
     if not steps or any("seconds" not in step for step in steps):
-        return None
-    return sum(step["seconds"] for step in steps)
+        return len(steps), None
+    return len(steps), sum(step["seconds"] for step in steps)
 
 
 def write_report(args, run: pathlib.Path, stage: str, target, draft, corpus: Corpus, mesh) -> None:
@@ -575,9 +600,10 @@ def write_report(args, run: pathlib.Path, stage: str, target, draft, corpus: Cor
     )
     before = run / "report.json"
     drafts = json.loads(before.read_text()).get("drafts", {}) if before.is_file() else {}
+    steps, seconds = stage_record(run, stage)
     drafts[args.draft_kind] = dict(
-        draft_steps=args.draft_steps,
-        draft_seconds=stage_seconds(run, stage),
+        draft_steps=steps,
+        draft_seconds=seconds,
         draft_top1_agreement=report["draft_top1_agreement"],
     )
     report.update(args=vars(args), config=args.config, eos_token=EOS, drafts=drafts)

@@ -41,6 +41,7 @@ CASES = {
     ),
 }
 PROGRAMS = ("train", "rollout")
+TIMEOUT_S = 900  # for one program's process: compile, run, compile for the CPU
 
 
 def parse_args(argv=None):
@@ -69,7 +70,7 @@ def materialize(abstract):
 
     def make(s):
         if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
-            return jax.random.key(0)
+            return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
         return jnp.ones(s.shape, s.dtype) if s.dtype == jnp.int32 else jnp.zeros(s.shape, s.dtype)
 
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
@@ -92,10 +93,16 @@ def peak_above_inputs(compiled, abstract, device) -> int:
     """Bytes `device` held at its peak beyond the inputs while `compiled` ran once on inputs of
     `abstract`'s shapes (the device's first peak in this process: nothing before it may be
     larger)."""
-    args = materialize(abstract)
-    before = device.memory_stats()["bytes_in_use"]
+    args = jax.block_until_ready(materialize(abstract))
+    stats = device.memory_stats()
     jax.block_until_ready(compiled(*args))
-    return device.memory_stats()["peak_bytes_in_use"] - before
+    peak = device.memory_stats()["peak_bytes_in_use"]
+    if peak <= stats["peak_bytes_in_use"]:  # an earlier peak (the inputs', autotuning's) hides it
+        raise RuntimeError(
+            f"the run's peak ({peak:,} bytes) does not stand above this process's earlier one; "
+            "its own peak cannot be read"
+        )
+    return peak - stats["bytes_in_use"]
 
 
 def in_process(case: str, program: str, platform: str) -> dict:
@@ -104,7 +111,7 @@ def in_process(case: str, program: str, platform: str) -> dict:
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, "-m", "jspec.bench.plan_check", "--measure", case, program, platform]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -50,16 +50,16 @@ from flax import nnx
 
 from jspec import config as config_lib
 from jspec.attention.decode import cache_slots
+from jspec.bench import trained_run
 from jspec.bench.greedy_check import check_greedy
 from jspec.bench.kernel_profile import loop_kernels
 from jspec.bench.timing import best_time, log, loop_seconds
-from jspec.config import ConfigError, KernelConfig, RolloutConfig, TreeConfig
+from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
-from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
+from jspec.models import create
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
 from jspec.sampler import compile_generate, generate, generation
 from jspec.sampler.tree_choice import StepCosts, choose_tree
-from jspec.tokenizers import HFTokenizer
 
 
 def parse_args(argv=None):
@@ -190,7 +190,8 @@ CHAIN_TREES = {True: ("sampled chain 4", "sampled chain 6"), False: ("chain 4", 
 def default_trees(args) -> tuple[str, ...]:
     """`DEFAULT_TREES` at the run's temperature; chains only for a block draft (`--trained` of
     a `--draft-kind block` run), which proposes nothing else."""
-    block = args.trained is not None and trained_kind(args) == "block"
+    run = args.trained and pathlib.Path(args.trained)
+    block = bool(run) and trained_run.draft_kind(run, args.draft_kind) == "block"
     return (CHAIN_TREES if block else DEFAULT_TREES)[args.temperature > 0]
 
 
@@ -498,43 +499,13 @@ def main(argv=None):
 
 def provenance(args) -> dict:
     """What every speedup of the run is quoted with: its temperature and where its draft came
-    from (its training steps and held-out top-1 agreement when train_code_lm trained it)."""
+    from (its training steps, seconds and held-out top-1 agreement when train_code_lm trained
+    it)."""
     if not args.trained:
         return dict(temperature=args.temperature, draft="random weights: speed only")
-    report = json.loads((pathlib.Path(args.trained) / "report.json").read_text())
-    kind = trained_kind(args)
-    trained = report.get("drafts", {}).get(kind) or {
-        "draft_steps": report["args"]["draft_steps"],
-        "draft_top1_agreement": report["draft_top1_agreement"],
-    }
-    return dict(
-        temperature=args.temperature,
-        draft="trained offline by jspec.jobs.train_code_lm",
-        draft_kind=kind,
-        draft_steps=trained["draft_steps"],
-        draft_seconds=trained.get("draft_seconds"),
-        draft_top1_agreement=round(trained["draft_top1_agreement"], 3),
-    )
-
-
-DRAFT_DIRS = {"eagle3": "draft", "mtp": "mtp", "block": "block"}  # in a train_code_lm run
-
-
-def trained_kind(args) -> str:
-    """The draft kind of `--trained RUN_DIR` to run: `--draft-kind`, else the one its latest
-    train_code_lm run trained; an error when RUN_DIR holds none of that kind."""
     run = pathlib.Path(args.trained)
-    kind = args.draft_kind
-    if kind is None:
-        kind = json.loads((run / "report.json").read_text())["args"].get("draft_kind", "eagle3")
-    if not (run / DRAFT_DIRS[kind]).is_dir():
-        held = [k for k, d in DRAFT_DIRS.items() if (run / d).is_dir()]
-        raise ConfigError(
-            f"--draft-kind {kind}: {run} holds no {kind} draft ({run / DRAFT_DIRS[kind]}); it "
-            f"holds {', '.join(held) or 'none'}: train one with `python -m "
-            f"jspec.jobs.train_code_lm --run-dir {run} --draft-kind {kind}`."
-        )
-    return kind
+    kind = trained_run.draft_kind(run, args.draft_kind)
+    return dict(temperature=args.temperature, **trained_run.provenance(run, kind))
 
 
 def queue_length(batch: int, args) -> int:
@@ -582,26 +553,11 @@ def random_models(args, dtype: str | None = None):
 
 
 def trained(args, dtype: str = "bfloat16"):
-    """Target and draft (EAGLE-3, an MTP head or a block draft) of `jspec.jobs.train_code_lm` in
-    `dtype`, and
-    prompts: the first `--prompt-len` tokens of each held-out file that has that many (rows repeat
-    files if needed)."""
-    run, kind = pathlib.Path(args.trained), trained_kind(args)
-    target = hf.load(run / "target", dtype=dtype)
-    if kind == "mtp":  # the head beside the target, in MiMo's layout
-        draft = hf_mtp.load(run / "mtp", target.config)
-    elif kind == "block":  # DFlash's layout
-        draft = hf_block.load(run / "block", target.config, target_embedding=target.embed[...])
-    else:
-        draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
-    eos = json.loads((run / "report.json").read_text())["eos_token"]
-    tok = HFTokenizer(run / "tokenizer.json", eos)
-    texts = json.loads((run / "heldout.json").read_text())
-    prompts = [ids[: args.prompt_len] for ids in map(tok.encode, texts)]
-    prompts = [p for p in prompts if len(p) == args.prompt_len][: prompt_count(args)]
-    if not prompts:
-        raise SystemExit(f"no held-out file of {args.prompt_len} tokens; lower --prompt-len")
-    return target, draft, np.asarray(prompts)
+    """Target and draft of `--trained RUN_DIR` (the `--draft-kind` asked for) in `dtype`, and
+    prompts from its held-out files (`jspec.bench.trained_run`)."""
+    run = pathlib.Path(args.trained)
+    kind = trained_run.draft_kind(run, args.draft_kind)
+    return trained_run.load(run, kind, args.prompt_len, prompt_count(args), dtype)
 
 
 def print_row(r) -> None:

@@ -301,7 +301,10 @@ def device_memory(devices, memory_gb: float | None, topology: str | None) -> flo
     if memory_gb is not None:
         return memory_gb
     if _is_gpu(devices[0]):
-        return jax.devices("gpu")[0].memory_stats()["bytes_limit"] / GB
+        stats = jax.devices("gpu")[0].memory_stats()
+        if not stats:
+            raise ConfigError("this GPU does not report its memory to jax; pass --memory GB.")
+        return stats["bytes_limit"] / GB
     if devices[0].platform != "tpu":
         return H200_GB
     kind = devices[0].device_kind
@@ -316,6 +319,11 @@ def device_memory(devices, memory_gb: float | None, topology: str | None) -> flo
 def _count_mismatch(sizes: dict, devices) -> str:
     """Why the mesh does not fit the devices, and what to change."""
     need, have = math.prod(sizes.values()), len(devices)
+    if devices and _is_gpu(devices[0]):
+        return (
+            f"mesh {sizes} has {need} positions, the GPUs planned for are {have}; pass a --mesh "
+            f"whose sizes multiply to {have}, or GPUs (--gpu-topology HOSTSxGPUS) that make {need}."
+        )
     if devices and devices[0].platform == "tpu":
         slice_ = hardware(have, _chips(devices), devices[0].device_kind)
         return (

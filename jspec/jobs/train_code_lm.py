@@ -51,11 +51,8 @@ import math
 import pathlib
 import shutil
 import sys
-import sysconfig
 import time
-import zlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +66,7 @@ from jspec import mesh as mesh_lib
 from jspec import tokenizers
 from jspec.config import ConfigError, MeshConfig
 from jspec.jobs import cli, trainer
+from jspec.jobs.code_corpus import EOS, Corpus, read_corpus, sampler
 from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
 from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
@@ -76,7 +74,6 @@ from jspec.models.mtp import MTPConfig, create_mtp
 from jspec.rl.draft_loss import draft_loss
 from jspec.rl.state import Group, adamw
 
-EOS = "<eos>"
 WARMUP_STEPS = 20  # of a draft trained for --draft-minutes, to its constant learning rate
 
 
@@ -138,94 +135,17 @@ def parse_args(argv=None):
     )
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
     args = p.parse_args(argv)
+    if args.draft_minutes is not None and not args.draft_minutes > 0:
+        raise ConfigError(
+            f"--draft-minutes={args.draft_minutes}: the draft's training time must be > 0 "
+            "minutes (leave it out to train for --draft-steps)."
+        )
     if args.mtp_weight < 0 or (args.mtp_weight and args.draft_kind != "mtp"):
         raise ConfigError(
             f"--mtp-weight={args.mtp_weight} trains an MTP head with the target: it must be >= 0, "
             f"and > 0 only with --draft-kind mtp (got --draft-kind {args.draft_kind})."
         )
     return args
-
-
-# ---------------------------------------------------------------------------------------------
-# The corpus.
-
-
-def python_files(roots: list[str] | None, max_bytes: int) -> list[tuple[str, str]]:
-    """(path, text) of the .py files under `roots`, in path order, up to `max_bytes` in all."""
-    if not roots:
-        paths = sysconfig.get_paths()
-        roots = sorted({paths["stdlib"], paths["purelib"]})
-    files, total = [], 0
-    for root in roots:
-        for path in sorted(pathlib.Path(root).rglob("*.py")):
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            if text.strip() and total < max_bytes:
-                files.append((str(path), text))
-                total += len(text)
-    if not files:
-        raise ConfigError(f"no .py files under {roots}; pass --roots with folders of Python code.")
-    return files
-
-
-def split(files, heldout: int) -> tuple[list[str], list[str]]:
-    """Training and held-out texts: a file is held out when the hash of its path says so."""
-    out = ([], [])
-    for path, text in files:
-        out[zlib.crc32(path.encode()) % heldout == 0].append(text)
-    if not all(out):
-        raise ConfigError(
-            f"{len(files)} files give {len(out[0])} training and {len(out[1])} held-out files "
-            f"(one in --heldout={heldout}); raise --max-bytes or name more --roots."
-        )
-    return out
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
-    """A byte-level BPE tokenizer of `vocab_size` ids (the last is `EOS`), saved to `path`; the
-    one already at `path` if an earlier run wrote it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if path.is_file():
-        return Tokenizer.from_file(str(path))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.add_special_tokens([EOS])
-    if tok.get_vocab_size() != vocab_size:
-        raise ConfigError(
-            f"the corpus gives a tokenizer of {tok.get_vocab_size()} ids, not model.vocab_size="
-            f"{vocab_size}; use a larger corpus or a smaller vocabulary."
-        )
-    tok.save(str(path))
-    return tok
-
-
-def token_stream(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """All texts as one stream of ids, each file ended by EOS, and the file index of each id."""
-    eos = tok.token_to_id(EOS)
-    ids = [e.ids + [eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
-    doc = np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(ids)])
-    return np.concatenate([np.asarray(x, np.int32) for x in ids]), doc
-
-
-def rows(stream, doc, starts: np.ndarray, t: int, mesh) -> dict[str, jax.Array]:
-    """Packed rows of t ids from `starts`, split over `mesh`'s data axis: segment ids number the
-    files of a row from 1, positions restart at each file's first id in the row."""
-    idx = starts[:, None] + np.arange(t)
-    d = doc[idx]
-    seg = d - d[:, :1] + 1
-    starts_file = np.diff(d, prepend=-1, axis=1) != 0
-    first = np.maximum.accumulate(np.where(starts_file, np.arange(t), 0), axis=1)
-    batch = dict(tokens=stream[idx], segment_ids=seg, positions=np.arange(t) - first)
-    placed = mesh_lib.sharding(mesh, ("batch", None))
-    return {k: jax.device_put(v.astype(np.int32), placed) for k, v in batch.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,13 +232,14 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     state, done = loop.resume(lambda: fresh) or (fresh, 0)
     params, opt_state = state["params"], state["opt_state"]
     start, every = time.perf_counter(), max(stage.steps // 20, 1)
-    last, before = start, read_metrics(loop.metrics_path)[:done]  # the steps of earlier runs
-    spent = sum(step.get("seconds", 0.0) for step in before)
+    last, spent = start, spent_seconds(loop, done)
     for i in range(done, stage.steps):
-        if stage.minutes is not None and spent + (last - start) >= 60 * stage.minutes:
+        if stage.minutes is not None and trainer.agreed(spent >= 60 * stage.minutes):
             print(f"{name}: {stage.minutes:g} minutes of training after {i} steps", flush=True)
             break
         params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
+        if stage.minutes is not None:  # the budget counts device time: wait for each step
+            jax.block_until_ready(loss)
         shown = i % every == 0 or i == stage.steps - 1
         if shown:
             print(
@@ -327,13 +248,23 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
                 flush=True,
             )
         state = dict(params=params, opt_state=opt_state)
-        # Host seconds since the step before: summed, the stage's wall time (a shown step waits
-        # for the device), which `stage_seconds` reads back.
+        # Host seconds since the step before (a shown step waits for the device, and under a
+        # time budget every step does): summed, the stage's training time; a run's first step,
+        # which compiles, apart.
         now = time.perf_counter()
-        metrics = {"loss": loss, stage.metric: metric, "seconds": now - last}
+        timed = "seconds" if i > done else "compile_seconds"
+        metrics = {"loss": loss, stage.metric: metric, timed: now - last}
+        spent += (now - last) * (i > done)
         last = now
         loop.step_done(i + 1, state, metrics, flush=shown)
+    loop.flush()  # every step's metrics written before the stage is saved whole
     return nnx.merge(graphdef, params[name], rest)
+
+
+def spent_seconds(loop: trainer.TrainLoop, done: int) -> float:
+    """Training seconds of a stage's first `done` steps, which earlier runs made (on process 0,
+    which writes the metrics; `trainer.agreed` makes its decisions every process's)."""
+    return sum(step.get("seconds", 0.0) for step in read_metrics(loop.metrics_path)[:done])
 
 
 def lm_loss(logits, batch):
@@ -499,15 +430,6 @@ def run_stage(run: pathlib.Path, stage: Stage, module, batches, mesh, loop, teac
     return module
 
 
-def sampler(stream, doc, t: int, batch: int, seed: int, mesh):
-    """batches(i): `batch` rows of t ids from random starts, the same for the same i."""
-    high = len(stream) - t
-    if high <= 0:
-        raise ConfigError(f"the corpus holds {len(stream)} tokens, fewer than --seq-len={t}.")
-    starts = lambda i: np.random.default_rng([seed, i]).integers(0, high, batch)
-    return lambda i: rows(stream, doc, starts(i), t, mesh)
-
-
 def data_mesh(devices: int, batch: int):
     """The mesh whose data axis splits the batch over `devices` (0: every device)."""
     n = devices or jax.device_count()
@@ -517,32 +439,6 @@ def data_mesh(devices: int, batch: int):
             f"which must split --batch={batch} evenly; pass a device count that divides the batch."
         )
     return mesh_lib.make_mesh(MeshConfig(data=n), jax.devices()[:n])
-
-
-class Corpus(NamedTuple):
-    """The training and held-out token streams (ids, file of each id), the held-out texts and
-    the held-out bytes per token."""
-
-    train: tuple[np.ndarray, np.ndarray]
-    heldout: tuple[np.ndarray, np.ndarray]
-    heldout_texts: list[str]
-    bytes_per_token: float
-
-
-def read_corpus(args, vocab_size: int, run: pathlib.Path, limits: trainer.Limits) -> Corpus:
-    """The corpus of --roots split into training and held-out files, tokenized by the tokenizer
-    trained on the training files (`run`/tokenizer.json)."""
-    train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
-    tok = train_tokenizer(train_texts, vocab_size, run / "tokenizer.json")
-    train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
-    bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])
-    print(
-        f"corpus: {len(train_texts)} training files ({len(train[0]):,} tokens), "
-        f"{len(heldout_texts)} held out ({len(heldout[0]):,} tokens, "
-        f"{bytes_per_token:.2f} bytes a token) {limits.stamp()}",
-        flush=True,
-    )
-    return Corpus(train, heldout, heldout_texts, bytes_per_token)
 
 
 def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limits):
@@ -580,13 +476,31 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
 
 
 def stage_record(run: pathlib.Path, stage: str) -> tuple[int, float | None]:
-    """(steps, wall seconds) of `stage` in `run`: the steps it made and their seconds summed over
-    the runs that made them, the first step's compile included (None where its metrics do not
-    hold them)."""
+    """(steps, training seconds) of `stage` in `run`: the steps it made and their seconds summed
+    over the runs that made them, each run's first step (its compile) left out (None where its
+    metrics do not time the steps)."""
     steps = read_metrics(run / "training" / stage / "metrics.jsonl")
-    if not steps or any("seconds" not in step for step in steps):
+    if not any({"seconds", "compile_seconds"} & set(step) for step in steps):
         return len(steps), None
-    return len(steps), sum(step["seconds"] for step in steps)
+    return len(steps), sum(step.get("seconds", 0.0) for step in steps)
+
+
+def earlier_drafts(path: pathlib.Path) -> dict:
+    """The `drafts` of an earlier report.json in the run directory; one written before drafts
+    were kept by kind tells of its own draft alone."""
+    if not path.is_file():
+        return {}
+    report = json.loads(path.read_text())
+    if "drafts" in report:
+        return report["drafts"]
+    kind = report["args"].get("draft_kind", "eagle3")
+    return {
+        kind: dict(
+            draft_steps=report["args"]["draft_steps"],
+            draft_seconds=None,
+            draft_top1_agreement=report["draft_top1_agreement"],
+        )
+    }
 
 
 def write_report(args, run: pathlib.Path, stage: str, target, draft, corpus: Corpus, mesh) -> None:
@@ -598,8 +512,7 @@ def write_report(args, run: pathlib.Path, stage: str, target, draft, corpus: Cor
     report = evaluate(
         target, draft, args.ttt_steps, heldout_batches, args.eval_batches, corpus.bytes_per_token
     )
-    before = run / "report.json"
-    drafts = json.loads(before.read_text()).get("drafts", {}) if before.is_file() else {}
+    drafts = earlier_drafts(run / "report.json")
     steps, seconds = stage_record(run, stage)
     drafts[args.draft_kind] = dict(
         draft_steps=steps,

@@ -91,7 +91,7 @@ def _at_least(kind, low):
     return parse
 
 
-def _agreed(flag: bool) -> bool:
+def agreed(flag: bool) -> bool:
     """`flag` as process 0 sees it, on every process (a clock's decision must be the same)."""
     if jax.process_count() == 1:
         return flag
@@ -121,7 +121,7 @@ class Limits:
             return None
         if self.steps is not None and self.taken >= self.steps:
             return f"the step limit (--stop-after-steps {self.steps})"
-        if self.deadline is not None and _agreed(time.perf_counter() >= self.deadline):
+        if self.deadline is not None and agreed(time.perf_counter() >= self.deadline):
             return "the time limit"
         return None
 
@@ -263,10 +263,14 @@ class TrainLoop:
         self.last_save = time.perf_counter()
         return restored
 
-    def save(self, done: int, state) -> None:
-        """Starts the async save of `state` after `done` steps (the metrics written first)."""
+    def flush(self) -> None:
+        """Writes the metrics of the steps done so far (process 0 writes them)."""
         if self.metrics is not None:
             self.metrics.flush()
+
+    def save(self, done: int, state) -> None:
+        """Starts the async save of `state` after `done` steps (the metrics written first)."""
+        self.flush()
         self.checkpoints.save(done, state)
         self.last_save = time.perf_counter()
 
@@ -298,7 +302,7 @@ class TrainLoop:
             return True
         if self.save_minutes is None:
             return False
-        return _agreed(time.perf_counter() - self.last_save >= 60 * self.save_minutes)
+        return agreed(time.perf_counter() - self.last_save >= 60 * self.save_minutes)
 
     def remove_checkpoints(self) -> None:
         """Deletes the checkpoints, once what they hold is saved whole (the metrics stay)."""

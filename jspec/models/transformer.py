@@ -188,8 +188,9 @@ class Block(nnx.Module):
 
 def remat_layer(body, remat: str, static_argnums=()):
     """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
-    'dots' also the weight matmuls and attention's output (its backward then needs no second
-    forward), 'none' everything."""
+    'dots' also the weight matmuls and attention's output and log-sum-exp (the backward then
+    runs no second attention forward, for about a tenth more saved activations; pipeline stages,
+    recomputed whole in the backward, still run it once more), 'none' everything."""
     if remat == "none":
         return body
     policy = None

@@ -125,6 +125,16 @@ def parse_args(argv=None):
         help="trace the plain and speculative loops and the smallest and largest verify; print "
         "their top kernels",
     )
+    add_model_arguments(p)
+    p.add_argument("--out", default="bench_rollout.json")
+    args = p.parse_args(argv)
+    args.trees = args.trees or list(default_trees(args))
+    return args
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of what is decoded: the trained models (else random weights), the
+    temperature, and the greedy check of the rollout path against the models' own decoding."""
     p.add_argument(
         "--trained",
         metavar="RUN_DIR",
@@ -132,7 +142,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--draft-kind",
-        choices=("eagle3", "mtp", "block"),
+        choices=tuple(trained_run.DRAFT_DIRS),
         default=None,
         help="with --trained: which of the run's drafts (default: its latest run's kind)",
     )
@@ -144,10 +154,6 @@ def parse_args(argv=None):
         "tree of --trees even with --no-spec) equal a step-by-step loop of the model's own prefill "
         "and decode; with --trained, of the trained target and draft",
     )
-    p.add_argument("--out", default="bench_rollout.json")
-    args = p.parse_args(argv)
-    args.trees = args.trees or list(default_trees(args))
-    return args
 
 
 # Trees of the speculative steps timed: a step's cost in decode steps is the accepted length at

@@ -226,8 +226,8 @@ def topology_devices(name: str) -> list:
         ) from None
 
 
-def gpu_devices(need: int) -> list:
-    """This machine's first `need` GPUs, to compile for (`--gpu`); an error naming what it has
+def gpu_devices(need: int, flag: str = "--gpu") -> list:
+    """This machine's first `need` GPUs, to compile for (`flag`); an error naming what it has
     when they are fewer."""
     try:
         gpus = jax.devices("gpu")
@@ -235,11 +235,11 @@ def gpu_devices(need: int) -> list:
         gpus = []
     if len(gpus) < need:
         raise ConfigError(
-            f"--gpu: the mesh needs {need} GPUs and this machine has {len(gpus)}; plan a mesh "
-            f"of at most {len(gpus)} devices with --mesh, or leave out --gpu for the CPU estimate."
+            f"{flag}: the mesh needs {need} GPUs and this machine has {len(gpus)}; plan a mesh "
+            f"of at most {len(gpus)} devices with --mesh, or leave out {flag} for the CPU estimate."
             if gpus
-            else "--gpu: this machine has no GPU that jax can use (jax.devices('gpu') is empty); "
-            "run the planner on the GPU machine, or leave out --gpu for the CPU estimate."
+            else f"{flag}: this machine has no GPU that jax can use (jax.devices('gpu') is empty); "
+            f"run the planner on the GPU machine, or leave out {flag} for the CPU estimate."
         )
     return gpus[:need]
 
@@ -253,7 +253,7 @@ def gpu_topology_devices(name: str) -> list:
         raise ConfigError(
             f"--gpu-topology {name!r}: write HOSTSxGPUS, the hosts and the GPUs of each, e.g. 8x8."
         )
-    gpu_devices(1)  # the GPU that stands in: a clear error without one
+    gpu_devices(1, "--gpu-topology")  # the GPU that stands in: a clear error without one
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}").devices

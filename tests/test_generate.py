@@ -218,6 +218,51 @@ def test_compacted_rows_decode_as_the_whole_batch(setup, kind):
     assert whole.stats.tokens_per_row_step(0) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_a_rollout_stopped_early_and_continued_equals_the_whole(setup, kind):
+    """With keep=5 the rollout returns once at most 5 rows run (those unfinished: the 5 that run
+    to the end; the bucket of 6 rows still compacts, the one of 2 is never reached); a second
+    call continues them, each from its prompt and tokens so far with the budget left, beside 2
+    fresh prompts: every completion's tokens and log-probabilities are the uninterrupted
+    rollout's."""
+    s = setup
+    draft, tree = (None, TreeConfig()) if kind == "plain" else (s["drafts"][kind], TREES["dynamic"])
+    config = greedy(eos_id=s["eos"], tree=tree, buckets=(Bucket(6), Bucket(2)))
+    inputs = (s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1))
+    whole = generate(*inputs, config)
+    first = generate(*inputs, config, keep=5)
+    assert len(first.stats.row_steps) == 2, "the bucket of 2 rows is below keep=5"
+    unfinished = np.flatnonzero(~np.asarray(first.finished))
+    assert unfinished.size == 5 and int(first.stats.iterations) < int(whole.stats.iterations)
+    done = np.asarray(first.finished)
+    for name in ("tokens", "lengths", "logprobs"):
+        np.testing.assert_allclose(
+            getattr(first, name)[done], getattr(whole, name)[done], atol=1e-5
+        )
+    prompts, lengths = np.asarray(s["prompts"]), np.asarray(s["lengths"])
+    so_far = [
+        np.concatenate([prompts[i, : lengths[i]], np.asarray(first.tokens[i, : first.lengths[i]])])
+        for i in unfinished
+    ]
+    width = max(len(x) for x in so_far)
+    continued = generation.Continued(
+        jnp.asarray(np.stack([np.pad(x, (0, width - len(x))) for x in so_far])),
+        jnp.asarray([len(x) for x in so_far]),
+        NEW - first.lengths[unfinished],
+    )
+    fresh = (s["prompts"][:2], s["lengths"][:2])
+    then = generate(s["target"], draft, *fresh, jax.random.key(2), config, continued=continued)
+    assert np.asarray(then.finished).all() and then.tokens.shape == (2 + unfinished.size, NEW)
+    np.testing.assert_array_equal(then.tokens[:2], whole.tokens[:2])
+    for j, i in enumerate(unfinished):
+        had, more = int(first.lengths[i]), int(then.lengths[2 + j])
+        assert had + more == int(whole.lengths[i])
+        tokens = np.concatenate([first.tokens[i, :had], then.tokens[2 + j, :more]])
+        np.testing.assert_array_equal(tokens, whole.tokens[i, : had + more])
+        logprobs = np.concatenate([first.logprobs[i, :had], then.logprobs[2 + j, :more]])
+        np.testing.assert_allclose(logprobs, whole.logprobs[i, : had + more], atol=1e-5)
+
+
 def test_buckets_verify_their_own_trees(setup):
     """A chain of one node in the batch, a dynamic tree once 6 rows are left, a static one at 5:
     the greedy tokens are plain decoding's, and the deeper trees of the tail reach their depth."""
@@ -500,6 +545,30 @@ def test_bad_input_is_named(target, name):
         config = RolloutConfig(**{"max_new_tokens": 4, **changes})
         draft = make_draft and make_draft()
         generate(target, draft, prompts, lengths, jax.random.key(0), config)
+
+
+CONTINUED_BAD = {
+    "a budget of 0": (dict(budgets=[0]), {}, r"continued\[0\]: length 3 and budget 0"),
+    "past the cache": (dict(lengths=[7], budgets=[4]), {}, r"continued\[0\]: length 7 and"),
+    "keep of every row": ({}, dict(keep=3), r"keep=3 must be in \[0, 3\)"),
+}
+
+
+@pytest.mark.parametrize("name", CONTINUED_BAD)
+def test_bad_continued_rows_are_named(target, name):
+    """Continued completions whose budget or length does not fit the caches (2-token prompts and
+    4 new tokens: 6 slots), and a `keep` of every row, are refused before compiling."""
+    changes, kwargs, message = CONTINUED_BAD[name]
+    prompts, lengths = random_prompts(2, 2, seed=0)
+    fields = dict(tokens=jnp.ones((1, 5), jnp.int32), lengths=[3], budgets=[2]) | changes
+    continued = generation.Continued(
+        *(jnp.asarray(fields[f]) for f in generation.Continued._fields)
+    )
+    with pytest.raises(ValueError, match=message):
+        config = RolloutConfig(max_new_tokens=4)
+        generate(
+            target, None, prompts, lengths, jax.random.key(0), config, continued=continued, **kwargs
+        )
 
 
 @pytest.mark.parametrize("bad", [0, 6])

@@ -58,7 +58,7 @@ from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
 from jspec.models import create
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
-from jspec.sampler import compile_generate, generate, generation
+from jspec.sampler import compile_generate, generate, tree_proposal
 from jspec.sampler.tree_choice import StepCosts, choose_tree
 
 
@@ -382,7 +382,7 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
 
         def body(i, acc):
             moved = root._replace(logits=root.logits + 0.0 * acc[:, None])
-            drafted = generation.propose(draft, shared, moved, jax.random.key(i), config)
+            drafted = tree_proposal.propose(draft, shared, moved, jax.random.key(i), config)
             return acc + drafted.tokens[:, 0].astype(jnp.float32)
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))

@@ -7,7 +7,8 @@ tests.
 """
 
 from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
-from jspec.sampler.generation import Rollout, RolloutStats, compile_generate, generate, rollout
+from jspec.sampler.generation import Continued, compile_generate, generate, rollout
+from jspec.sampler.results import Rollout, RolloutStats
 from jspec.sampler.sampling import (
     sample,
     sample_from_probs,
@@ -31,6 +32,7 @@ from jspec.sampler.tree import (
 
 __all__ = [
     "BranchLayout",
+    "Continued",
     "DynamicTreeState",
     "Frontier",
     "Rollout",

@@ -38,81 +38,27 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
-from jspec.config import ConfigError, RolloutConfig, TreeConfig
+from jspec.config import ConfigError, RolloutConfig
 from jspec.models.block import BlockDraft
-from jspec.models.cache import TreeKV
 from jspec.models.draft import Draft, DraftOut, Shared, check_target
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
 from jspec.sampler.block_proposal import propose_block
+from jspec.sampler.results import Rollout, RolloutStats
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
-from jspec.sampler.tree import (
-    StaticTree,
-    Tree,
-    branch_layout,
-    build_dynamic_tree,
-    build_sampled_dynamic_tree,
-    build_static_tree,
-)
+from jspec.sampler.tree import Tree, branch_layout
+from jspec.sampler.tree_proposal import propose, tree_depth
 
 
-class RolloutStats(NamedTuple):
-    """Acceptance statistics of one `generate` call.
+class Continued(NamedTuple):
+    """Completions a rollout goes on with (partial rollouts): each one's prompt followed by the
+    tokens it has so far, right-padded, [K, W]; their lengths [K]; and the new tokens each may
+    still take [K], at most `max_new_tokens`. Their caches are filled again by the weights the
+    rollout runs with, in rows of their own, so fresh prompts keep their narrower width."""
 
-    steps [P]: target forwards after the prefill while the prompt's row was active (verify steps).
-    accepted [P]: draft tokens accepted and emitted.
-    reached_depth [D]: over all rows and steps, how many accepted paths reached depth d = 1..D.
-    accepted_non_first [P]: accepted nodes that were not their parent's first child (siblings
-      earn their place only through these).
-    failed [P]: prompts whose results must not be used (a prompt length out of range, or a cache
-      overflow, possible only when `rollout` is traced with unknown lengths).
-    iterations []: verify steps of the loop, active rows or not (a step costs the same either way).
-    row_steps [S]: rows decoded, summed over the iterations of each stage (`stages`: the batch
-      decoded at once, then each bucket below it; fewer than rows x iterations once the live rows
-      are compacted into a smaller bucket).
-    emitted [S]: tokens emitted in each stage, over all rows.
-    """
-
-    steps: Int[Array, " p"]
-    accepted: Int[Array, " p"]
-    reached_depth: Int[Array, " d"]
-    accepted_non_first: Int[Array, " p"]
-    failed: Bool[Array, " p"]
-    iterations: Int[Array, ""]
-    row_steps: Int[Array, " s"]
-    emitted: Int[Array, " s"]
-
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verify step, 1 + accepted / steps, over all rows."""
-        steps = int(np.sum(self.steps))
-        return 1.0 + int(np.sum(self.accepted)) / max(steps, 1)
-
-    def busy(self) -> float:
-        """The share of the rows' steps in which they emitted (a row idles once it is done and no
-        prompt waits for it)."""
-        return int(np.sum(self.steps)) / max(int(np.sum(self.row_steps)), 1)
-
-    def tokens_per_row_step(self, stage: int | None = None) -> float:
-        """Tokens a row emits per loop step, idle steps counted: what speculation gains per row
-        over plain decoding's at most 1 (mean accepted length x busy), over the rollout or over
-        one of its `stages`."""
-        if stage is None:
-            return self.mean_accepted_length() * self.busy()
-        return int(self.emitted[stage]) / max(int(self.row_steps[stage]), 1)
-
-    def acceptance_per_depth(self) -> np.ndarray:
-        """Fraction of verify steps whose accepted path reached each depth."""
-        return np.asarray(self.reached_depth) / max(int(np.sum(self.steps)), 1)
-
-
-class Rollout(NamedTuple):
-    """Generated completions, one per prompt: tokens [P,M] (-1 after each one's length), lengths
-    [P] (an EOS included), log-probabilities [P,M] (0 after the length) and statistics."""
-
-    tokens: Int[Array, "p m"]
-    lengths: Int[Array, " p"]
-    logprobs: Float[Array, "p m"]
-    stats: RolloutStats
+    tokens: Int[Array, "k w"]
+    lengths: Int[Array, " k"]
+    budgets: Int[Array, " k"]
 
 
 class _Rows(NamedTuple):
@@ -128,6 +74,7 @@ class _Loop(NamedTuple):
     rows: _Rows  # [B] rows decoded at once
     prompt: Int[Array, " b"]  # the prompt each row completes (P: none)
     length: Int[Array, " b"]  # tokens the row's completion holds
+    budget: Int[Array, " b"]  # tokens the row's completion may hold
     done: Bool[Array, " b"]
     queued: Int[Array, ""]  # prompts given a row so far (the next one to start)
     tokens: Int[Array, "p m"]
@@ -144,23 +91,31 @@ def generate(
     prompt_lengths: Int[Array, " p"],
     key: jax.Array,
     config: RolloutConfig,
+    *,
+    continued: Continued | None = None,
+    keep: int = 0,
 ) -> Rollout:
     """Completions of right-padded prompts (prompt p: its first `prompt_lengths[p]` tokens).
 
     `draft` None decodes plainly; otherwise `config.tree` says which tree it proposes.
-    `config.rows` rows decode at once, each taking the next prompt when its completion ends. Every
-    argument is checked before compilation; the program is compiled once per shape and config.
+    `config.rows` rows decode at once, each taking the next prompt when its completion ends.
+    `continued` completions go on in the first rows (after the prompts in the outputs); with
+    `keep` the rollout returns once no prompt waits and at most `keep` rows still run, those
+    unfinished (`Rollout.finished`): a caller continues them later. Every argument is checked
+    before compilation; the program is compiled once per shape, config and `keep`.
     """
-    args = _generate_args(target, draft, prompts, prompt_lengths, key, config)
-    return _generate(*args, config=config)
+    args = _generate_args(target, draft, prompts, prompt_lengths, key, config, continued, keep)
+    return _generate(*args, config=config, keep=keep)
 
 
-def compile_generate(target, draft, prompts, prompt_lengths, key, config: RolloutConfig) -> None:
+def compile_generate(
+    target, draft, prompts, prompt_lengths, key, config: RolloutConfig, continued=None, keep=0
+) -> None:
     """Compiles the program `generate` runs on these arguments' shapes, without running it; a
     later `generate` call reuses it. Compiling takes long on about one core, so several programs
     may compile at once in threads, without the memory that running them at once would take."""
-    args = _generate_args(target, draft, prompts, prompt_lengths, key, config)
-    _generate.lower(*args, config=config).compile()
+    args = _generate_args(target, draft, prompts, prompt_lengths, key, config, continued, keep)
+    _generate.lower(*args, config=config, keep=keep).compile()
 
 
 def compiled_programs() -> int:
@@ -169,21 +124,38 @@ def compiled_programs() -> int:
     return _generate._cache_size()
 
 
-def _generate_args(target, draft, prompts, prompt_lengths, key, config: RolloutConfig) -> tuple:
-    check_generate_args(target, draft, prompts, prompt_lengths, config)
+def _generate_args(
+    target, draft, prompts, prompt_lengths, key, config: RolloutConfig, continued, keep: int
+) -> tuple:
+    check_generate_args(target, draft, prompts, prompt_lengths, config, continued, keep)
     target_def, target_state = nnx.split(target)
     draft_def, draft_state = nnx.split(draft) if draft is not None else (None, None)
-    return target_def, draft_def, target_state, draft_state, prompts, prompt_lengths, key
+    state = (target_state, draft_state)
+    return target_def, draft_def, *state, prompts, prompt_lengths, key, continued
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config"))
-def _generate(target_def, draft_def, target_state, draft_state, prompts, lengths, key, *, config):
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config", "keep"))
+def _generate(
+    target_def,
+    draft_def,
+    target_state,
+    draft_state,
+    prompts,
+    lengths,
+    key,
+    continued,
+    *,
+    config,
+    keep,
+):
     target = nnx.merge(target_def, target_state)
     draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
-    return rollout(target, draft, prompts, lengths, key, config)
+    return rollout(target, draft, prompts, lengths, key, config, continued=continued, keep=keep)
 
 
-def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutConfig) -> None:
+def check_generate_args(
+    target, draft, prompts, prompt_lengths, config: RolloutConfig, continued=None, keep: int = 0
+) -> None:
     """Raises a clear error for arguments `generate` cannot run with."""
     config.validate(target.config)
     if draft is not None:
@@ -222,6 +194,35 @@ def check_generate_args(target, draft, prompts, prompt_lengths, config: RolloutC
                 f"prompt_lengths[{bad[0]}]={n[bad[0]]} is outside [1, {t}]: every prompt needs at "
                 f"least one token and at most the {t} columns of `prompts`."
             )
+    rows = decode_rows(config, p + (0 if continued is None else continued.lengths.shape[0]))
+    if not 0 <= keep < rows:
+        raise ValueError(f"keep={keep} must be in [0, {rows}): rows left running of the {rows}.")
+    if continued is not None:
+        _check_continued(continued, rows, t + config.max_new_tokens, config.max_new_tokens)
+
+
+def _check_continued(continued: Continued, rows: int, slots: int, budget: int) -> None:
+    """Continued completions fit the rows and the caches of `slots` tokens (prompt width + max new
+    tokens), each with a budget in [1, max_new_tokens]."""
+    k, w = continued.tokens.shape
+    if continued.lengths.shape != (k,) or continued.budgets.shape != (k,):
+        raise ValueError(
+            f"continued: lengths {continued.lengths.shape} and budgets {continued.budgets.shape} "
+            f"must be [{k}], one per row of its tokens {continued.tokens.shape}."
+        )
+    if k > rows:
+        raise ValueError(f"{k} continued completions need as many rows; {rows} decode at once.")
+    if w >= slots:
+        raise ValueError(f"continued tokens of {w} columns leave no room in caches of {slots}.")
+    if concrete(continued.lengths) and concrete(continued.budgets):
+        n, left = np.asarray(continued.lengths), np.asarray(continued.budgets)
+        bad = np.flatnonzero((n < 1) | (n > w) | (left < 1) | (left > budget) | (n + left > slots))
+        if bad.size:
+            i = bad[0]
+            raise ValueError(
+                f"continued[{i}]: length {n[i]} and budget {left[i]} must be in [1, {w}] and "
+                f"[1, {budget}] (max_new_tokens), together at most the caches' {slots} slots."
+            )
 
 
 def decode_rows(config: RolloutConfig, prompts: int) -> int:
@@ -252,65 +253,74 @@ def rollout(
     lengths: Int[Array, " p"],
     key: jax.Array,
     config: RolloutConfig,
+    *,
+    continued: Continued | None = None,
+    keep: int = 0,
 ) -> Rollout:
     """The traceable body of `generate` (call it inside your own `jit`)."""
     target = target.for_rollout()
     draft = None if draft is None else draft.for_rollout()
     p, t = prompts.shape
     m = config.max_new_tokens
-    b = decode_rows(config, p)
+    k = 0 if continued is None else continued.lengths.shape[0]
+    b = decode_rows(config, p + k)
     lengths = jnp.asarray(lengths, jnp.int32)
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
     shared = Shared.of(target)  # in the compute dtype (`for_rollout`)
     start = functools.partial(_start, target, draft, shared, config, t + m)
-    chunk = refill_rows(config, b, p, target.mesh)
+    chunk = refill_rows(config, b, p + k, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     shards = row_shards(target.mesh)
-    stage_configs = stages(config, b)
-    depth = max(_tree_depth(c.tree, draft) for _, c in stage_configs)
-    zeros, per_stage = jnp.zeros((p,), jnp.int32), jnp.zeros((len(stage_configs),), jnp.int32)
+    stage_configs = stages(config, b, keep)
+    depth = max(tree_depth(c.tree, draft) for _, c in stage_configs)
+    zeros, per_stage = jnp.zeros((p + k,), jnp.int32), jnp.zeros((len(stage_configs),), jnp.int32)
     stats = RolloutStats(
         steps=zeros,
         accepted=zeros,
         reached_depth=jnp.zeros((depth,), jnp.int32),
         accepted_non_first=zeros,
-        failed=failed,
+        failed=jnp.pad(failed, (0, k)),
         iterations=jnp.int32(0),
         row_steps=per_stage,
         emitted=per_stage,
     )
     state = _Loop(
-        rows=_empty_rows(target, draft, start, prompts[:b], lengths[:b], t + m),
-        prompt=jnp.full((b,), p),
+        rows=_empty_rows(target, draft, start, b, prompts.dtype, t, m),
+        prompt=jnp.full((b,), p + k),
         length=jnp.ones((b,), jnp.int32),
+        budget=jnp.full((b,), m),
         done=jnp.ones((b,), bool),
         queued=jnp.int32(0),
-        tokens=jnp.full((p, m), -1, jnp.int32),
-        logprobs=jnp.zeros((p, m), jnp.float32),
-        lengths=jnp.ones((p,), jnp.int32),
+        tokens=jnp.full((p + k, m), -1, jnp.int32),
+        logprobs=jnp.zeros((p + k, m), jnp.float32),
+        lengths=jnp.ones((p + k,), jnp.int32),
         stats=stats,
         key=key,
     )
+    if continued is not None:
+        state = _continue(start, config, continued, p, state)
     # The rows' first prompts, `chunk` rows at a time: a prefill's activations are of that many.
-    first = lambda i, s: fill(s, jnp.minimum(i * chunk + jnp.arange(chunk), b))
-    state = jax.lax.fori_loop(0, -(-b // chunk), first, state)
+    first = lambda i, s: fill(s, jnp.minimum(k + i * chunk + jnp.arange(chunk), b))
+    state = jax.lax.fori_loop(0, -(-(b - k) // chunk), first, state)
     for i, (rows, stage) in enumerate(stage_configs):
         step = functools.partial(_verify_step, target, draft, shared, stage, i)
         if i:
             state = _compact(state, rows, shards)
-        elif b < p:
-            step = lambda s, step=step: step(_refill(fill, chunk, s))
-        below = stage_configs[i + 1][0] if i + 1 < len(stage_configs) else 0
+        elif b < p + k:
+            step = lambda s, step=step: step(_refill(fill, chunk, p, s))
+        below = stage_configs[i + 1][0] if i + 1 < len(stage_configs) else keep
         running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
         state = jax.lax.while_loop(running, step, state)
-    return Rollout(state.tokens, state.lengths, state.logprobs, state.stats)
+    finished = jnp.ones((p + k,), bool).at[state.prompt].set(state.done, mode="drop")
+    return Rollout(state.tokens, state.lengths, state.logprobs, finished, state.stats)
 
 
-def stages(config: RolloutConfig, rows: int) -> list[tuple[int, RolloutConfig]]:
+def stages(config: RolloutConfig, rows: int, keep: int = 0) -> list[tuple[int, RolloutConfig]]:
     """(rows, config) of the batch of `rows` decoded at once and of each bucket below it, in
-    order: the stages of a rollout (`RolloutStats.row_steps` and `emitted` are theirs)."""
-    below = [b for b in config.buckets if b.rows < rows]
+    order: the stages of a rollout (`RolloutStats.row_steps` and `emitted` are theirs). A
+    rollout that returns with `keep` rows still running never reaches a bucket of as few."""
+    below = [b for b in config.buckets if keep < b.rows < rows]
     tree = lambda b: dataclasses.replace(config, tree=b.tree or config.tree)
     return [(rows, config)] + [(b.rows, tree(b)) for b in below]
 
@@ -329,6 +339,7 @@ def _compact(s: _Loop, rows: int, shards: int) -> _Loop:
         rows=jax.tree.map(take, s.rows),
         prompt=take(s.prompt),
         length=take(s.length),
+        budget=take(s.budget),
         done=take(s.done),
     )
 
@@ -353,22 +364,24 @@ def _start(target, draft, shared, config: RolloutConfig, max_len: int, prompts, 
     return _Rows(out[1], draft_out, root), _log_at(probs, root)
 
 
-def _empty_rows(target, draft, start, prompts, lengths, max_len: int) -> _Rows:
-    """`_Rows` of nothing yet, shaped as `start` makes them; the caches placed as `init_cache`
-    places them (a loop carry takes its sharding from its first value)."""
+def _empty_rows(target, draft, start, b: int, dtype, t: int, m: int) -> _Rows:
+    """`_Rows` of nothing yet for `b` rows of prompts of `t` tokens, shaped as `start` makes them;
+    the caches placed as `init_cache` places them (a loop carry takes its sharding from its first
+    value)."""
+    shapes = jax.ShapeDtypeStruct((b, t), dtype), jax.ShapeDtypeStruct((b,), jnp.int32)
     zeros = jax.tree.map(
-        lambda x: jnp.zeros(x.shape, x.dtype),
-        jax.eval_shape(start, prompts, lengths, jax.random.key(0))[0],
+        lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(start, *shapes, jax.random.key(0))[0]
     )
-    b, slots = prompts.shape[0], cache_slots(max_len, target.config.max_seq_len)
-    draft_out = None if draft is None else zeros.draft._replace(cache=draft.init_cache(b, max_len))
+    slots = cache_slots(t + m, target.config.max_seq_len)
+    draft_out = None if draft is None else zeros.draft._replace(cache=draft.init_cache(b, t + m))
     return zeros._replace(cache=target.init_cache(b, slots), draft=draft_out)
 
 
-def _refill(fill, chunk: int, s: _Loop) -> _Loop:
-    """`fill` the first free rows once `chunk` of them are free (or as many as prompts wait): a
-    loop of zero or one trip, which updates the rows in place (a `cond` would copy them)."""
-    count = jnp.minimum(chunk, s.tokens.shape[0] - s.queued)
+def _refill(fill, chunk: int, p: int, s: _Loop) -> _Loop:
+    """`fill` the first free rows once `chunk` of them are free (or as many of the `p` prompts
+    wait): a loop of zero or one trip, which updates the rows in place (a `cond` would copy
+    them)."""
+    count = jnp.minimum(chunk, p - s.queued)
     ready = (count > 0) & (jnp.sum(s.done) >= count)
 
     def fill_free(_, s: _Loop) -> _Loop:
@@ -385,19 +398,38 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     start_key, key = jax.random.split(s.key)
     taken = (rows < b) & (jnp.arange(chunk) < p - s.queued)
     row = jnp.where(taken, rows, b)
-    prompt = jnp.where(taken, s.queued + jnp.arange(chunk), p)
+    prompt = jnp.where(taken, s.queued + jnp.arange(chunk), s.tokens.shape[0])
     index = jnp.minimum(prompt, p - 1)
     new, logprob = start(prompts[index], lengths[index], start_key)
+    budget = jnp.full((chunk,), config.max_new_tokens)
+    s = _place(s, config, row, prompt, new, logprob, budget)
+    return s._replace(queued=s.queued + jnp.sum(taken), key=key)
+
+
+def _continue(start, config: RolloutConfig, continued: Continued, p: int, s: _Loop) -> _Loop:
+    """The continued completions (outputs p, p + 1, ...) started in the first rows: their caches
+    filled from their tokens so far, in one prefill of their own width."""
+    k = continued.lengths.shape[0]
+    start_key, key = jax.random.split(s.key)
+    lengths = jnp.asarray(continued.lengths, jnp.int32)
+    new, logprob = start(continued.tokens, lengths, start_key)
+    rows = jnp.arange(k)
+    s = _place(s, config, rows, p + rows, new, logprob, jnp.asarray(continued.budgets, jnp.int32))
+    return s._replace(key=key)
+
+
+def _place(s: _Loop, config: RolloutConfig, row, prompt, new: _Rows, logprob, budget) -> _Loop:
+    """`s` with rows `row` (b: none) starting completions `prompt` from `new` (prefilled, its
+    root sampled: their first token) with `budget` tokens each."""
     put = lambda old, x: old.at[row].set(x, mode="drop")
     return s._replace(
         rows=jax.tree.map(put, s.rows, new),
         prompt=put(s.prompt, prompt),
         length=put(s.length, 1),
-        done=put(s.done, _stops(new.root, config) | (config.max_new_tokens == 1)),
-        queued=s.queued + jnp.sum(taken),
+        budget=put(s.budget, budget),
+        done=put(s.done, _stops(new.root, config) | (budget == 1)),
         tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
         logprobs=s.logprobs.at[prompt, 0].set(logprob, mode="drop"),
-        key=key,
     )
 
 
@@ -423,12 +455,12 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
-    width = 1 + _tree_depth(config.tree, draft)
+    width = 1 + tree_depth(config.tree, draft)
     emitted = emitted_tokens(tree.tokens, verdict)[:, :width]
     # Node (branch index) before each emitted token: the root, then the accepted path.
     source = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), verdict.path[:, : width - 1] + 1], 1)
     source = jnp.maximum(source, 0)
-    count = _emit_count(emitted, verdict.num_accepted + 1, s.length, s.done, config)
+    count = _emit_count(emitted, verdict.num_accepted + 1, s.length, s.budget, s.done, config)
 
     j = jnp.arange(emitted.shape[1])
     slot = jnp.where(j < count[:, None], s.length[:, None] + j, m)
@@ -471,7 +503,7 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     return s._replace(
         rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root)),
         length=length,
-        done=s.done | emitted_eos | (length >= m),
+        done=s.done | emitted_eos | (length >= s.budget),
         tokens=tokens,
         logprobs=logprobs,
         lengths=s.lengths.at[s.prompt].set(length, mode="drop"),
@@ -480,12 +512,12 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     )
 
 
-def _emit_count(emitted, count, length, done, config: RolloutConfig):
-    """Tokens of each row actually emitted: cut after the first EOS and at max_new_tokens."""
+def _emit_count(emitted, count, length, budget, done, config: RolloutConfig):
+    """Tokens of each row actually emitted: cut after the first EOS and at the row's budget."""
     j = jnp.arange(emitted.shape[1])
     eos = _stops(emitted, config) & (j < count[:, None])
     through_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1) + 1, count)
-    count = jnp.minimum(jnp.minimum(count, through_eos), config.max_new_tokens - length)
+    count = jnp.minimum(jnp.minimum(count, through_eos), budget - length)
     return jnp.where(done, 0, count)
 
 
@@ -513,86 +545,3 @@ def _sampling_probs(logits, config: RolloutConfig):
 def _log_at(probs, tokens):
     p = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     return jnp.log(p)
-
-
-# ---------------------------------------------------------------------------------------------
-# Draft trees.
-
-
-class _TreeCarry(NamedTuple):
-    hidden: Float[Array, "b m h"]  # the draft's hidden state at the previous frontier
-    tree: TreeKV  # K/V of the nodes expanded so far
-    offset: Int[Array, ""]  # where the next frontier's nodes go in `tree`
-    previous: Int[Array, ""]  # where the previous frontier's nodes are
-
-
-def _static_shape(tree: TreeConfig) -> StaticTree:
-    """The topology the draft fills (of a 'dynamic' tree: the sampled form's candidates)."""
-    if tree.kind == "dynamic":
-        return StaticTree.chain_with_siblings(tree.depth, tree.top_k - 1)
-    return StaticTree.chain(tree.depth) if tree.kind == "chain" else StaticTree(tree.parents)
-
-
-def _tree_depth(tree: TreeConfig, draft) -> int:
-    """Levels of the draft's tree below the root; 0 without a draft (plain decoding)."""
-    if draft is None:
-        return 0
-    return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
-
-
-def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
-    """Nodes that get expanded (have children drawn below them), over all levels below the root."""
-    if tree.kind == "dynamic" and not sampled:
-        return (tree.depth - 1) * tree.top_k
-    shape = _static_shape(tree)
-    return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
-
-
-def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutConfig) -> Tree:
-    """The draft's tree below the root, as `config.tree` describes it."""
-    tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
-    b = root.logits.shape[0]
-    frontier = tc.top_k if tc.kind == "dynamic" and not sampled else 1
-    carry = _TreeCarry(
-        hidden=jnp.broadcast_to(root.hidden[:, None], (b, frontier, root.hidden.shape[-1])),
-        tree=draft.empty_tree(b, max(_tree_capacity(tc, sampled), 1)),
-        offset=jnp.int32(0),
-        previous=jnp.int32(0),
-    )
-
-    def step(frontier, carry: _TreeCarry):
-        slot = jnp.maximum(frontier.parent_slot, 0)[..., None]
-        parent_hidden = jnp.take_along_axis(carry.hidden, slot, axis=1)
-        parent = jnp.where(frontier.parent_slot >= 0, carry.previous + frontier.parent_slot, -1)
-        logits, hidden, k, v, anchor = draft.tree_step(
-            shared,
-            frontier.tokens,
-            parent_hidden,
-            frontier.depth,
-            parent,
-            root.cache,
-            carry.tree,
-            kernels=config.kernels,
-        )
-        tree = carry.tree.add(k, v, anchor, parent, carry.offset)
-        offset = carry.offset + frontier.tokens.shape[1]
-        return logits, _TreeCarry(hidden, tree, offset, carry.offset)
-
-    sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
-    if tc.kind != "dynamic":
-        shape, key = _static_shape(tc), key if sampled else None
-        return build_static_tree(shape, root.logits, step, carry, key=key, **sampling)[0]
-    if not sampled:
-        return build_dynamic_tree(
-            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
-        )[0]
-    return build_sampled_dynamic_tree(
-        root.logits,
-        step,
-        carry,
-        key=key,
-        depth=tc.depth,
-        children=tc.top_k,
-        total_tokens=tc.total_tokens,
-        **sampling,
-    )[0]

@@ -1,0 +1,100 @@
+"""The draft's token tree below the root: a chain, a static tree, EAGLE-2's dynamic tree or its
+sampled form, each level one `tree_step` of the draft (an EAGLE-3 head or an MTP module), drawn as
+`jspec.sampler.tree` builds it so that `verify` gets the very distributions its nodes came from."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jspec.config import RolloutConfig, TreeConfig
+from jspec.models.cache import TreeKV
+from jspec.models.draft import Draft, DraftOut, Shared
+from jspec.sampler.tree import (
+    StaticTree,
+    Tree,
+    build_dynamic_tree,
+    build_sampled_dynamic_tree,
+    build_static_tree,
+)
+
+
+class _TreeCarry(NamedTuple):
+    hidden: Float[Array, "b m h"]  # the draft's hidden state at the previous frontier
+    tree: TreeKV  # K/V of the nodes expanded so far
+    offset: Int[Array, ""]  # where the next frontier's nodes go in `tree`
+    previous: Int[Array, ""]  # where the previous frontier's nodes are
+
+
+def _static_shape(tree: TreeConfig) -> StaticTree:
+    """The topology the draft fills (of a 'dynamic' tree: the sampled form's candidates)."""
+    if tree.kind == "dynamic":
+        return StaticTree.chain_with_siblings(tree.depth, tree.top_k - 1)
+    return StaticTree.chain(tree.depth) if tree.kind == "chain" else StaticTree(tree.parents)
+
+
+def tree_depth(tree: TreeConfig, draft) -> int:
+    """Levels of the draft's tree below the root; 0 without a draft (plain decoding)."""
+    if draft is None:
+        return 0
+    return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
+
+
+def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
+    """Nodes that get expanded (have children drawn below them), over all levels below the root."""
+    if tree.kind == "dynamic" and not sampled:
+        return (tree.depth - 1) * tree.top_k
+    shape = _static_shape(tree)
+    return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
+
+
+def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutConfig) -> Tree:
+    """The draft's tree below the root, as `config.tree` describes it."""
+    tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
+    b = root.logits.shape[0]
+    frontier = tc.top_k if tc.kind == "dynamic" and not sampled else 1
+    carry = _TreeCarry(
+        hidden=jnp.broadcast_to(root.hidden[:, None], (b, frontier, root.hidden.shape[-1])),
+        tree=draft.empty_tree(b, max(_tree_capacity(tc, sampled), 1)),
+        offset=jnp.int32(0),
+        previous=jnp.int32(0),
+    )
+
+    def step(frontier, carry: _TreeCarry):
+        slot = jnp.maximum(frontier.parent_slot, 0)[..., None]
+        parent_hidden = jnp.take_along_axis(carry.hidden, slot, axis=1)
+        parent = jnp.where(frontier.parent_slot >= 0, carry.previous + frontier.parent_slot, -1)
+        logits, hidden, k, v, anchor = draft.tree_step(
+            shared,
+            frontier.tokens,
+            parent_hidden,
+            frontier.depth,
+            parent,
+            root.cache,
+            carry.tree,
+            kernels=config.kernels,
+        )
+        tree = carry.tree.add(k, v, anchor, parent, carry.offset)
+        offset = carry.offset + frontier.tokens.shape[1]
+        return logits, _TreeCarry(hidden, tree, offset, carry.offset)
+
+    sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    if tc.kind != "dynamic":
+        shape, key = _static_shape(tc), key if sampled else None
+        return build_static_tree(shape, root.logits, step, carry, key=key, **sampling)[0]
+    if not sampled:
+        return build_dynamic_tree(
+            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
+        )[0]
+    return build_sampled_dynamic_tree(
+        root.logits,
+        step,
+        carry,
+        key=key,
+        depth=tc.depth,
+        children=tc.top_k,
+        total_tokens=tc.total_tokens,
+        **sampling,
+    )[0]

@@ -276,6 +276,11 @@ def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, cap
         (["rl.task.name=algebra"], r"rl.task.name='algebra' is not a task; use one of"),
         (["rollout.max_new_tokens=3"], r"rollout.max_new_tokens=3 cannot hold the task's worked"),
         (["rl.tree_costs=nowhere.json"], r"rl.tree_costs='nowhere.json' is not a file"),
+        (["rl.partial_rows=8"], r"rl.partial_rows=8 must be in \[0, 8\) \(fewer than"),
+        (
+            ["rl.prompts=16", "rl.group_size=4", "rl.partial_rows=4"],
+            r"rl.partial_rows=4: the carried completions .* over the 8 rollout shards",
+        ),
     ],
 )
 def test_bad_run_input_is_named_before_anything_is_built(tmp_path, overrides, message):

@@ -83,6 +83,9 @@ class RLConfig:
     Asynchronous RL: `rollout_mesh` (fixed axis sizes) gives the last devices to the sampler and
     `mesh` the rest to the trainer; the rollouts of step n are generated with the weights of step
     n - `max_lag` while the trainer runs the steps before (0: synchronous, the same loop).
+    `partial_rows` = K > 0 (partial rollouts, one process): a step's rollout returns once at most
+    K rows still run, and those completions go on in the next step's rollout under its weights;
+    a group trains in the step in which its last completion ends (`jspec.rl.partial`).
 
     `tree_costs`: a JSON of `jspec/bench/rollout.py` (speculative steps timed on this machine, at
     the rollouts' temperature); each rollout batch then verifies the tree that pays most at its
@@ -130,6 +133,7 @@ class RLConfig:
     samples_every: int = 10
     keep_checkpoints: int = 3
     max_lag: int = 0
+    partial_rows: int = 0
     rollout_mesh: MeshConfig | None = None
     tree_costs: str | None = None
 
@@ -197,6 +201,12 @@ class RLConfig:
                 f"{where}.max_lag={self.max_lag} must be >= 0: 0 is synchronous RL, k >= 1 lets "
                 "the rollouts run on weights up to k steps older than the trainer's."
             )
+        if not 0 <= self.partial_rows < self.prompts:
+            raise ConfigError(
+                f"{where}.partial_rows={self.partial_rows} must be in [0, {self.prompts}) (fewer "
+                f"than {where}.prompts, so every step trains on a group): rows a step's rollout "
+                "may leave running (0: every rollout runs to its end)."
+            )
         if self.max_lag and self.rollout_mesh is None:
             raise ConfigError(
                 f"{where}.max_lag={self.max_lag} needs {where}.rollout_mesh: rollouts run ahead of "
@@ -235,6 +245,12 @@ class RLConfig:
                 f"{self.batch} does not split over the {decode} rollout shards ({where}.data * "
                 f"{where}.context = {rollout['data']} * {rollout['context']}); make it a multiple "
                 f"of {decode}, e.g. rl.prompts={-(-decode // math.gcd(decode, self.group_size))}."
+            )
+        if self.partial_rows % decode:
+            raise ConfigError(
+                f"rl.partial_rows={self.partial_rows}: the carried completions decode in rows of "
+                f"their own, which split over the {decode} rollout shards ({where}.data * "
+                f"{where}.context); make it a multiple of {decode}."
             )
         if rows % sizes["data"]:
             raise ConfigError(

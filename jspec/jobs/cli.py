@@ -73,3 +73,23 @@ plan = entry("jspec.jobs.plan")
 launch = entry("jspec.jobs.distributed")
 plot_runs = entry("jspec.jobs.plot_runs")
 train_code_lm = entry("jspec.jobs.train_code_lm")
+
+
+def messengers(quiet: bool):
+    """(say, log): say prints on process 0 (warnings, the resume); log the same unless `quiet`
+    (progress)."""
+    from tqdm import tqdm
+
+    from jspec import hosts
+
+    say = (lambda msg: tqdm.write(msg, file=sys.stderr)) if hosts.is_main() else (lambda _: None)
+    return say, (lambda _: None) if quiet else say
+
+
+def use_compilation_cache(directory: str | None) -> None:
+    """Compiled programs kept in `directory` (none: jax's default) for the next run."""
+    if directory:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

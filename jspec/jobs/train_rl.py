@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 import time
 from concurrent.futures import Future
@@ -60,10 +59,9 @@ from jspec import hosts, pipeline, tokenizers
 from jspec import mesh as mesh_lib
 from jspec.config import ConfigError, RolloutConfig
 from jspec.jobs import cli, trainer
-from jspec.models import create, draft_factory, hf, hf_block, hf_eagle3, hf_mtp
-from jspec.models.block import BlockDraft
-from jspec.models.mtp import MTPDraft
-from jspec.rl import grpo, meshes, packing, tasks
+from jspec.jobs.export import save_for_serving
+from jspec.models import create, draft_factory, hf
+from jspec.rl import grpo, meshes, packing, partial, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import Networks, init_state, optimizer, trained_groups
 from jspec.rl.train import make_train_step
@@ -119,6 +117,11 @@ def check(cfg: config_lib.Config, mode: str, num_devices: int, num_processes: in
             "leave it unset (synchronous RL on the whole mesh)."
         )
     rl.check_mesh(*meshes.split_sizes(cfg.mesh, rl.rollout_mesh, num_devices))
+    if rl.partial_rows and num_processes > 1:
+        raise ConfigError(
+            f"rl.partial_rows={rl.partial_rows} (partial rollouts) runs in one process for now: "
+            "the carried completions would have to stay on their host; set rl.partial_rows=0."
+        )
     if mode != "none" and cfg.rollout.draft.kind not in ("eagle3", "mtp", "block"):
         raise ConfigError(
             f"--draft-mode {mode} co-trains or freezes an EAGLE-3 draft, an MTP head or a block "
@@ -201,6 +204,10 @@ class Run:
         self.rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["batch"]))
         self.decode_rows = NamedSharding(self.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
         self.align = 2 * self.mesh.shape[mesh_lib.RULES["seq"]]
+        # Sequences a train step takes at most: partial rollouts complete up to K more groups.
+        whole = self.rl.sequences_per_row * mesh_lib.axis_size(self.mesh, "batch")
+        most = self.rl.batch + self.rl.partial_rows * self.rl.group_size
+        self.train_sequences = -(-most // whole) * whole
 
     def _build(self, mesh, load: bool = True) -> tuple[Networks, dict]:
         """(Networks, params) of the policy and the draft created on `mesh`: the policy loaded
@@ -260,7 +267,7 @@ class Run:
             dense = pack(share.stop - share.start)
             if hosts.gather([dense is not None]).all():  # one shape on every process
                 return dense, count
-        return pack(None), rl.batch // rl.sequences_per_row
+        return pack(None), self.train_sequences // rl.sequences_per_row
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
@@ -320,7 +327,7 @@ class InFlight(NamedTuple):
     group: list  # this process's problems, one per sequence
     prompts: np.ndarray
     prompt_lengths: np.ndarray
-    out: Future[Rollout]  # dispatched from the sampler's thread
+    out: Future  # of a Rollout (of `Sampler.generate_partial`'s tuple with partial rollouts)
     start: float
 
 
@@ -344,7 +351,10 @@ def start_rollout(run: Run, sampler: Sampler, step: int, made=None) -> InFlight:
         config, trees = choose_trees(run, config)
         speculative = trees != (None,)
     start = time.perf_counter()
-    out = sampler.generate(prompts, prompt_lengths, rl.batch, step, config, speculative)
+    if rl.partial_rows:  # the carried completions in rows beside the batch's
+        out = sampler.generate_partial(group, prompts, prompt_lengths, step, config, speculative)
+    else:
+        out = sampler.generate(prompts, prompt_lengths, rl.batch, step, config, speculative)
     return InFlight(step, sampler.version, trees, mine, group, prompts, prompt_lengths, out, start)
 
 
@@ -357,29 +367,36 @@ def choose_trees(run: Run, config: RolloutConfig) -> tuple[RolloutConfig, tuple[
     name, tree = run.trees.pick(rows // shards)
     if name is None:
         return config, (None,)
-    below = [run.trees.pick_tree(r // shards) for r, _ in stages(config, rows)[1:]]
-    buckets = [b for b in config.buckets if b.rows < rows]  # the stages' own, in order
+    keep = run.rl.partial_rows
+    below = [run.trees.pick_tree(r // shards) for r, _ in stages(config, rows, keep)[1:]]
+    buckets = [b for b in config.buckets if keep < b.rows < rows]  # the stages' own, in order
     picked = [dataclasses.replace(b, tree=t) for b, (_, t) in zip(buckets, below, strict=True)]
     names = (name, *(n for n, _ in below))
     return dataclasses.replace(config, tree=tree, buckets=tuple(picked)), names
 
 
 def finish_rollout(run: Run, job: InFlight):
-    """Waits for the rollouts of `job`, scores them; the packed batch and the step's metrics (over
-    the whole batch)."""
-    rl, out, mine = run.rl, job.out.result(), job.rows
-    tokens, lengths, logprobs = (hosts.host_rows(x, mine) for x in out[:3])
+    """Waits for the rollouts of `job`, scores the sequences they complete; the packed batch, the
+    step's metrics (over the whole batch), the samples to show and the snapshot of the partial
+    rollouts' pool after them (None without)."""
+    rl = run.rl
+    out, done, generated, snapshot = completed(run, job)
     seconds = time.perf_counter() - job.start
     score_start = time.perf_counter()
-    responses = [run.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
-    rewards = tasks.rewards(rl.task, job.step, job.group, responses)
+    responses = [
+        run.tokenizer.decode(t[:n]) for t, n in zip(done.tokens, done.lengths, strict=True)
+    ]
+    rewards = tasks.rewards_by_step(rl.task, done.steps, done.problems, responses)
     pack_start = time.perf_counter()
     advantages = grpo.group_advantages(rewards, rl.group_size)
-    packed, rows = run.pack(job.prompts, job.prompt_lengths, tokens, lengths, logprobs, advantages)
-    batch = run.put(packed, mine.start, rows)
+    arrays = (done.prompts, done.prompt_lengths, done.tokens, done.lengths, done.logprobs)
+    size = run.train_sequences if rl.partial_rows else len(rewards)  # empty sequences after
+    grow = lambda x: np.pad(x, [(0, size - len(x))] + [(0, 0)] * (x.ndim - 1))
+    packed, rows = run.pack(*(grow(np.asarray(x)) for x in (*arrays, advantages)))
+    batch = run.put(packed, job.rows.start, rows)
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
-    all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(lengths)
+    all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(done.lengths)
     accepted = stats.mean_accepted_length() if run.mode != "none" else 1.0
     if run.trees is not None and job.trees == (None,):  # plain decoding, its buckets included
         run.trees.observe(None, stats.tokens_per_row_step())
@@ -392,7 +409,7 @@ def finish_rollout(run: Run, job: InFlight):
         "accepted_length": accepted,
         "busy": stats.busy(),
         "response_length": float(all_lengths.mean()),
-        "rollout_tokens_per_s": float(all_lengths.sum()) / seconds,
+        "rollout_tokens_per_s": float(hosts.gather([generated]).sum()) / seconds,
         "rollout_time": seconds,
         "verify_steps": int(np.max(stats.iterations)),  # loop trips: the rollout's longest chain
         "score_time": pack_start - score_start,
@@ -407,6 +424,8 @@ def finish_rollout(run: Run, job: InFlight):
     }
     if rl.packed_rows:
         metrics["packed_rows"] = rows
+    if rl.partial_rows:
+        metrics |= partial.metrics(done, out.finished, job.step, rl.group_size)
     if run.trees is not None:
         metrics["tree"] = " > ".join(tree or "plain" for tree in job.trees)  # stage by stage
     # The first response of each of the first two groups, to read what the policy writes.
@@ -414,14 +433,25 @@ def finish_rollout(run: Run, job: InFlight):
         {"step": job.step, "reward": float(rewards[i]), "response": responses[i]}
         for i in range(0, min(len(responses), 2 * rl.group_size), rl.group_size)
     ]
-    return batch, metrics, shown
+    return batch, metrics, shown, snapshot
+
+
+def completed(run: Run, job: InFlight) -> tuple[Rollout, partial.Trained, int, bytes | None]:
+    """The rollout of `job`, this process's sequences it completes, the tokens it generated, and
+    the partial rollouts' pool after it (None without them: every sequence of the batch)."""
+    if run.rl.partial_rows:
+        return job.out.result()
+    out = job.out.result()
+    steps, host = [job.step] * len(job.group), [hosts.host_rows(x, job.rows) for x in out[:3]]
+    done = partial.Trained(job.group, steps, job.prompts, job.prompt_lengths, *host)
+    return out, done, int(host[1].sum()), None
 
 
 def start_or_resume(run: Run, loop: trainer.TrainLoop, log):
     """The TrainState to continue from: the latest good checkpoint, else a fresh warm start."""
     rl, cfg = run.rl, run.cfg
     trained = trained_groups(run.mode, run.networks.draft is not None)
-    tx, step = run.step_fn("grpo", trained, rl.learning_rate, rl.batch)
+    tx, step = run.step_fn("grpo", trained, rl.learning_rate, run.train_sequences)
     new = lambda params: init_state(
         run.networks, params, tx, trained, seed=cfg.seed, reference=rl.kl_coef > 0
     )
@@ -442,7 +472,8 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
     and draft weights go to the sampler. rl.max_lag=0 is the synchronous loop."""
     rl, first = run.rl, int(state.step)
     last = loop.limits.last_step(first, rl.steps)  # unless the time limit comes first
-    sampler = Sampler(run.sampler_networks, run.networks)
+    pool, snapshots = resume_pool(run, loop, first, quiet)
+    sampler = Sampler(run.sampler_networks, run.networks, pool)
     sampler.load(state, first)
     inflight: dict[int, InFlight] = {}
     made = {}  # step_prompts of the next step to dispatch, made while the device trains
@@ -453,7 +484,8 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
             for ahead in range(step, min(step + rl.max_lag, last - 1) + 1):
                 if ahead not in inflight:
                     inflight[ahead] = start_rollout(run, sampler, ahead, made.pop(ahead, None))
-            batch, metrics, shown = finish_rollout(run, inflight.pop(step))
+            batch, metrics, shown, snapshots[step] = finish_rollout(run, inflight.pop(step))
+            snapshots.pop(step - 2, None)
             if rl.samples_every and step % rl.samples_every == 0 and hosts.is_main():
                 with loop.metrics_path.with_name("samples.jsonl").open("a") as f:
                     f.writelines(json.dumps(sample) + "\n" for sample in shown)
@@ -475,46 +507,32 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
     return state
 
 
+def resume_pool(run: Run, loop: trainer.TrainLoop, first: int, quiet: bool):
+    """The pool of partial rollouts that the checkpoint of step `first` carries on (None without
+    partial rollouts), and the snapshots of the pool after each step's rollout, by step, which
+    the loop saves beside each checkpoint."""
+    rl, snapshots, new = run.rl, {}, run.cfg.rollout.max_new_tokens
+    if not rl.partial_rows:
+        return None, snapshots
+    pool = partial.Pool(rl.partial_rows, run.prompt_width, new, rl.group_size)
+    if not pool.resume(loop.directory, first) and first and not quiet:
+        print(f"no partial rollouts saved at step {first}: none carried on", file=sys.stderr)
+    snapshots[first - 1] = pool.snapshot()
+    keep = rl.keep_checkpoints + 1
+    loop.on_save = lambda done: partial.save(loop.directory, done, snapshots[done - 1], keep)
+    return pool, snapshots
+
+
 def export(run: Run, state, directory: pathlib.Path, say) -> None:
-    """The policy of `state` in the Hugging Face layout with its tokenizer (`directory`/policy)
-    and its draft: an EAGLE-3 draft in its public layout (`directory`/draft), a block draft in
-    DFlash's (`directory`/draft, `jspec.models.hf_block`), an MTP head beside the policy in
-    MiMo's (`jspec.models.hf_mtp`), which `transformers` and serving engines load;
-    written beside and then moved into place, so a partial export is never read."""
+    """The policy and draft of `state` in the layouts serving engines load
+    (`jspec.jobs.export`)."""
     if run.cfg.pipeline.stages > 1:
         say(f"{directory}: not written; exporting a pipelined policy is not supported yet.")
         return
-    partial = directory.with_name(directory.name + ".partial")
-    if hosts.is_main():
-        shutil.rmtree(partial, ignore_errors=True)
     policy, draft = run.networks.models(state.params)
-    hf.save(partial / "policy", policy)
-    if isinstance(draft, MTPDraft):
-        hf_mtp.save(partial / "policy", draft)
-    elif isinstance(draft, BlockDraft):
-        hf_block.save(partial / "draft", draft, policy.config)
-    elif draft is not None:
-        hf_eagle3.save(partial / "draft", draft)
-    if hosts.is_main():
-        if isinstance(run.tokenizer, tokenizers.HFTokenizer):
-            run.tokenizer.save(partial / "policy")
-        shutil.rmtree(directory, ignore_errors=True)
-        partial.rename(directory)
+    save_for_serving(policy, draft, run.tokenizer, directory)
     what = "the policy" if draft is None else "the policy and draft"
     say(f"exported {what} of step {int(state.step)} to {directory}")
-
-
-def messengers(quiet: bool):
-    """(say, log): say prints on process 0 (warnings, the resume); log the same unless `quiet`
-    (progress)."""
-    say = (lambda msg: tqdm.write(msg, file=sys.stderr)) if hosts.is_main() else (lambda _: None)
-    return say, (lambda _: None) if quiet else say
-
-
-def use_compilation_cache(directory: str) -> None:
-    if directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def run_loop(args, cfg: config_lib.Config, run_dir: pathlib.Path, limits, say):
@@ -536,8 +554,8 @@ def run_loop(args, cfg: config_lib.Config, run_dir: pathlib.Path, limits, say):
 def main(argv=None) -> pathlib.Path:
     args = parse_args(argv)
     limits = trainer.Limits.from_args(args)  # --stop-after counts from here
-    say, log = messengers(args.quiet)
-    use_compilation_cache(args.compilation_cache)
+    say, log = cli.messengers(args.quiet)
+    cli.use_compilation_cache(args.compilation_cache)
     cfg = config_lib.load(args.config, args.overrides)
     checked = check(cfg, args.draft_mode, jax.device_count(), jax.process_count())
     cfg, rl = checked[0], checked[0].rl

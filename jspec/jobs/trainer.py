@@ -243,6 +243,7 @@ class TrainLoop:
         self.checkpoints.check_resume()
         self.metrics = Metrics(directory) if hosts.is_main() else None
         self.total, self.limits, self.name = total, limits, name
+        self.on_save: Callable[[int], None] | None = None  # what the run keeps beside a save
         self.save_every, self.save_minutes, self.save_last = save_every, save_minutes, save_last
         self.last_save = time.perf_counter()
         self.removed = False
@@ -269,8 +270,11 @@ class TrainLoop:
             self.metrics.flush()
 
     def save(self, done: int, state) -> None:
-        """Starts the async save of `state` after `done` steps (the metrics written first)."""
+        """Starts the async save of `state` after `done` steps (the metrics, and `on_save`'s
+        files, written first)."""
         self.flush()
+        if self.on_save is not None:
+            self.on_save(done)
         self.checkpoints.save(done, state)
         self.last_save = time.perf_counter()
 

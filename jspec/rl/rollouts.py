@@ -2,7 +2,8 @@
 
 Synchronous RL (no `rl.rollout_mesh`) samples on the training mesh with the TrainState's own
 parameters: nothing moves. Asynchronous RL samples on the rollout mesh (`jspec.rl.meshes`), with
-the weights moved there after every train step (`jspec.rl.weights`).
+the weights moved there after every train step (`jspec.rl.weights`). With partial rollouts the
+sampler's thread keeps the completions they carry from step to step (`jspec.rl.partial`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec import hosts
 from jspec import mesh as mesh_lib
 from jspec.config import RolloutConfig
+from jspec.rl.partial import Pool, Trained
 from jspec.rl.state import Networks, TrainState
 from jspec.rl.weights import WeightMover
-from jspec.sampler import Rollout, generate
+from jspec.sampler import Continued, Rollout, generate
 
 
 class Sampler:
@@ -27,8 +29,8 @@ class Sampler:
     their version (the train steps they include), on the rollout mesh when the devices are split
     (`networks.mesh` is not the trainer's), else the TrainState's own arrays."""
 
-    def __init__(self, networks: Networks, trainer: Networks):
-        self.networks = networks
+    def __init__(self, networks: Networks, trainer: Networks, pool: Pool | None = None):
+        self.networks, self.pool = networks, pool
         self.moves = networks.mesh is not trainer.mesh
         self.trainer = trainer
         self.rows = NamedSharding(networks.mesh, PartitionSpec(mesh_lib.RULES["decode_batch"]))
@@ -74,12 +76,37 @@ class Sampler:
         rollout ends. The prompts go straight to the rollout mesh, never by a training device:
         this process's rows (`jspec.hosts`) of a batch of `batch`. `speculative` False decodes
         plainly, without the draft."""
+        args = self._inputs(prompts, prompt_lengths, batch, step, speculative)
+        return self._thread.submit(generate, *args, config)
+
+    def generate_partial(
+        self, problems, prompts, prompt_lengths, step: int, config: RolloutConfig, speculative=True
+    ) -> Future[tuple[Rollout, Trained, int, bytes]]:
+        """`generate` of one process's whole batch of `problems` with the pool's unfinished
+        completions continued beside it, returning once at most `pool.rows` rows run: the
+        rollout, the groups it completed (taken out of the pool), the tokens it generated and
+        the pool's snapshot after it. The pool changes in the sampler's thread alone, rollout
+        after rollout."""
+        version, batch = self.version, len(problems)
+        args = self._inputs(prompts, prompt_lengths, batch, step, speculative)
+        everywhere = NamedSharding(self.networks.mesh, PartitionSpec())
+
+        def run() -> tuple[Rollout, Trained, int, bytes]:
+            continued = Continued(*jax.device_put(tuple(self.pool.continued()), everywhere))
+            out = generate(*args, config, continued=continued, keep=self.pool.rows)
+            host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
+            generated = int(host[1][: batch + len(self.pool.carried)].sum())  # not the idle rows
+            trained = self.pool.add(step, version, problems, prompts, prompt_lengths, host)
+            return out, trained, generated, self.pool.snapshot()
+
+        return self._thread.submit(run)
+
+    def _inputs(self, prompts, prompt_lengths, batch: int, step: int, speculative: bool):
+        """generate's policy, draft (None: plain), prompts, lengths and key for step `step`."""
         policy, draft = self.networks.models(self.params)
-        draft = draft if speculative else None
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), step)
         put = lambda x: hosts.global_array(self.rows, x, batch)  # noqa: E731
-        prompts, prompt_lengths = put(prompts), put(prompt_lengths)
-        return self._thread.submit(generate, policy, draft, prompts, prompt_lengths, key, config)
+        return policy, draft if speculative else None, put(prompts), put(prompt_lengths), key
 
     def close(self) -> None:
         self._thread.shutdown()

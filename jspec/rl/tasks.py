@@ -146,6 +146,16 @@ def rewards(config: TaskConfig, step: int, batch: Sequence[Any], responses: Sequ
     return TASKS[task_at(config, step)[0]].score(batch, responses)
 
 
+def rewards_by_step(config: TaskConfig, steps: Sequence[int], batch, responses) -> np.ndarray:
+    """`rewards` of a batch whose sequences answer problems of several steps (`steps`, one per
+    sequence: partial rollouts train groups of earlier steps), each by its own step's task."""
+    out = np.zeros(len(responses), np.float32)
+    for step in sorted(set(steps)):
+        at = [i for i, s in enumerate(steps) if s == step]
+        out[at] = rewards(config, step, [batch[i] for i in at], [responses[i] for i in at])
+    return out
+
+
 def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 256) -> tuple[int, int]:
     """Tokens of the longest prompt and worked answer over the run's tasks (before and after the
     shift) at their hardest: static shapes for rollouts and training rows."""

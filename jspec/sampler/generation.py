@@ -309,8 +309,11 @@ def rollout(
             state = _compact(state, rows, shards)
         elif b < p + k:
             step = lambda s, step=step: step(_refill(fill, chunk, p, s))
-        below = stage_configs[i + 1][0] if i + 1 < len(stage_configs) else keep
-        running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
+        if i + 1 < len(stage_configs):  # on until the live rows fit the next bucket
+            below = stage_configs[i + 1][0]
+            running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
+        else:
+            running = lambda s: (s.queued < p) | (jnp.sum(~s.done) > keep)
         state = jax.lax.while_loop(running, step, state)
     finished = jnp.ones((p + k,), bool).at[state.prompt].set(state.done, mode="drop")
     return Rollout(state.tokens, state.lengths, state.logprobs, finished, state.stats)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import COMPARED, loop
 
+from jspec.config import ConfigError
 from jspec.rl import partial
 
 # A step's figures that partial rollouts add, compared between a run and its resumed twin.
@@ -52,6 +53,9 @@ def test_a_pool_trains_groups_whole_and_carries_their_unfinished_completions(tmp
     resumed = partial.Pool(rows=2, prompt_width=3, max_new_tokens=4, group_size=2)
     assert resumed.resume(tmp_path, 1) and not resumed.resume(tmp_path, 2)
     assert resumed.continued().tokens.tolist() == carried.tokens.tolist()
+    fewer = partial.Pool(rows=1, prompt_width=3, max_new_tokens=4, group_size=2)
+    with pytest.raises(ConfigError, match=r"carries 2 completions of up to 1 tokens on, which"):
+        fewer.resume(tmp_path, 1)
 
 
 # ---------------------------------------------------------------------------------------------

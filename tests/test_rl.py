@@ -278,6 +278,10 @@ def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, cap
         (["rl.tree_costs=nowhere.json"], r"rl.tree_costs='nowhere.json' is not a file"),
         (["rl.partial_rows=8"], r"rl.partial_rows=8 must be in \[0, 8\) \(fewer than"),
         (
+            ["rl.prompts=16", "rl.group_size=4", "rl.partial_rows=8", "rollout.rows=8"],
+            r"rl.partial_rows=8 leaves that many rows running, so rollout.rows=8 must be more",
+        ),
+        (
             ["rl.prompts=16", "rl.group_size=4", "rl.partial_rows=4"],
             r"rl.partial_rows=4: the carried completions .* over the 8 rollout shards",
         ),

@@ -10,9 +10,11 @@ RL. Each variant generates the batches of `--steps` RL steps (one more first, wh
 and the table gives their mean rollout seconds, tokens/s, verify steps, the share of decoded row
 steps that emitted (busy) and the accepted length, and the ratio to the speculative rollout with
 no compaction. `--same-length` adds the variants with the end token ignored, so that every row
-runs to rollout.max_new_tokens (the batch compaction cannot shorten). The programs compiled for
-the rollout are counted: one per variant, whatever the buckets (they are stages of one program).
-Prints a Markdown table and writes JSON.
+runs to rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K` adds
+partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most
+K rows run, and those go on in the next step's; its tokens/s counts the tokens each rollout
+generated. The programs compiled for the rollout are counted: one per variant, whatever the
+buckets (they are stages of one program). Prints a Markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import numpy as np
 from jspec import config as config_lib
 from jspec import hosts
 from jspec.jobs import cli, train_rl
-from jspec.rl import tasks
-from jspec.sampler import generate
+from jspec.rl import partial, tasks
+from jspec.sampler import Continued, generate
 from jspec.sampler.generation import compiled_programs
 
 
@@ -41,13 +43,14 @@ def parse_args(argv=None):
     p.add_argument("--config", default="code-rl")
     p.add_argument("--steps", type=int, default=3, help="RL steps' batches timed per variant")
     p.add_argument("--same-length", action="store_true", help="also every row at the length cap")
+    p.add_argument("--partial-rows", type=int, default=0, help="also partial rollouts of K rows")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_long_tail.json"))
     return p.parse_intermixed_args(argv)
 
 
-def variants(rollout: config_lib.RolloutConfig, same_length: bool) -> dict:
-    """(config, speculative, the variant it is compared with) of each variant, by name: the
-    speculative rollout with no buckets of the same lengths."""
+def variants(rollout: config_lib.RolloutConfig, same_length: bool, partial_rows: int) -> dict:
+    """(config, speculative, the variant it is compared with, partial rows) of each variant, by
+    name: the speculative rollout with no buckets of the same lengths."""
     if not rollout.buckets:
         raise config_lib.ConfigError(
             "rollout.buckets is empty: name the buckets compaction moves the rows into, e.g. "
@@ -59,7 +62,14 @@ def variants(rollout: config_lib.RolloutConfig, same_length: bool) -> dict:
         for kind, speculative in (("speculative", True), ("plain", False)):
             for name, config in ((kind, whole), (f"{kind} + buckets", rollout)):
                 config = dataclasses.replace(config, eos_id=eos)
-                out[name + suffix] = (config, speculative, f"speculative{suffix}")
+                out[name + suffix] = (config, speculative, f"speculative{suffix}", 0)
+    if partial_rows:
+        out[f"speculative + buckets, partial {partial_rows}"] = (
+            rollout,
+            True,
+            "speculative",
+            partial_rows,
+        )
     return out
 
 
@@ -74,18 +84,31 @@ def batches(run: train_rl.Run, steps: int) -> list:
     return out
 
 
-def time_variant(run: train_rl.Run, models, data, config, speculative: bool) -> dict:
-    """Mean seconds and statistics of the rollouts of `data` after the first (which compiles)."""
+def time_variant(run: train_rl.Run, models, data, config, speculative: bool, rows: int) -> dict:
+    """Mean seconds and statistics of the rollouts of `data` after the first (which compiles);
+    with `rows`, partial rollouts that leave at most that many rows running."""
     policy, draft = models
     draft = draft if speculative else None
-    seconds, tokens, stats = [], 0, []
+    rl, seconds, tokens, stats = run.rl, [], 0, []
+    shape = (run.prompt_width, config.max_new_tokens, rl.group_size)
+    pool = partial.Pool(rows, *shape) if rows else None
     for step, (prompts, lengths) in enumerate(data):
         key = jax.random.fold_in(jax.random.key(run.cfg.seed), step)
         start = time.perf_counter()
-        out = jax.block_until_ready(generate(policy, draft, prompts, lengths, key, config))
+        if pool is not None:
+            continued = Continued(*pool.continued())
+            out = generate(
+                policy, draft, prompts, lengths, key, config, continued=continued, keep=rows
+            )
+            host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
+            generated = int(host[1][: rl.batch + len(pool.carried)].sum())
+            pool.add(step, 0, [None] * rl.batch, *jax.device_get((prompts, lengths)), host)
+        else:
+            out = jax.block_until_ready(generate(policy, draft, prompts, lengths, key, config))
+            generated = int(np.sum(jax.device_get(out.lengths)))
         if step:
             seconds.append(time.perf_counter() - start)
-            tokens += int(np.sum(jax.device_get(out.lengths)))
+            tokens += generated
             stats.append(jax.device_get(out.stats))
     total = jax.tree.map(lambda *x: np.sum(x, axis=0), *stats)  # the steps' counts pooled
     return {
@@ -105,8 +128,9 @@ def main(argv=None):
     models = run.networks.models(run.initial_params)
     data = batches(run, args.steps)
     timed, rows = {}, []
-    for name, (config, speculative, base) in variants(run.cfg.rollout, args.same_length).items():
-        timed[name] = time_variant(run, models, data, config, speculative)
+    table = variants(run.cfg.rollout, args.same_length, args.partial_rows)
+    for name, (config, speculative, base, partial_rows) in table.items():
+        timed[name] = time_variant(run, models, data, config, speculative, partial_rows)
         print(f"{name}: {timed[name]['seconds']:.3f} s", file=sys.stderr)
         speedup = timed[base]["seconds"] / timed[name]["seconds"]
         rows.append({"variant": name, **timed[name], "speedup_over_speculative": speedup})

@@ -230,6 +230,11 @@ class RLConfig:
                 f"top_k={rollout.top_k}: GRPO needs sampled rollouts whose log-probabilities the "
                 "train step recomputes exactly; set rollout.temperature > 0, top_p=1, top_k=0."
             )
+        if self.partial_rows and 0 < rollout.rows <= self.partial_rows:
+            raise ConfigError(
+                f"rl.partial_rows={self.partial_rows} leaves that many rows running, so "
+                f"rollout.rows={rollout.rows} must be more (or 0: a row for every prompt)."
+            )
 
     def check_mesh(self, sizes: dict[str, int], rollout: dict[str, int] | None = None) -> None:
         """Raises ConfigError when the batch does not split over the meshes (before compiling):

@@ -267,7 +267,7 @@ class Run:
             dense = pack(share.stop - share.start)
             if hosts.gather([dense is not None]).all():  # one shape on every process
                 return dense, count
-        return pack(None), self.train_sequences // rl.sequences_per_row
+        return pack(None), len(arrays[0]) * jax.process_count() // rl.sequences_per_row
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
@@ -362,12 +362,11 @@ def choose_trees(run: Run, config: RolloutConfig) -> tuple[RolloutConfig, tuple[
     """The rollout config with the trees `run.trees` picks by the rows of each of its stages
     (the bench timed one device: its batch is the rows per device), and their names: (None,)
     for plain decoding, where no tree pays at the whole batch."""
-    shards = row_shards(run.rollout_mesh or run.mesh)
-    rows = decode_rows(config, run.rl.batch)
+    shards, keep = row_shards(run.rollout_mesh or run.mesh), run.rl.partial_rows
+    rows = decode_rows(config, run.rl.batch + keep)  # the carried completions' rows too
     name, tree = run.trees.pick(rows // shards)
     if name is None:
         return config, (None,)
-    keep = run.rl.partial_rows
     below = [run.trees.pick_tree(r // shards) for r, _ in stages(config, rows, keep)[1:]]
     buckets = [b for b in config.buckets if keep < b.rows < rows]  # the stages' own, in order
     picked = [dataclasses.replace(b, tree=t) for b, (_, t) in zip(buckets, below, strict=True)]
@@ -390,7 +389,8 @@ def finish_rollout(run: Run, job: InFlight):
     pack_start = time.perf_counter()
     advantages = grpo.group_advantages(rewards, rl.group_size)
     arrays = (done.prompts, done.prompt_lengths, done.tokens, done.lengths, done.logprobs)
-    size = run.train_sequences if rl.partial_rows else len(rewards)  # empty sequences after
+    # Empty sequences after: a batch's worth, or (past it) the most partial rollouts complete.
+    size = len(job.group) if len(rewards) <= len(job.group) else run.train_sequences
     grow = lambda x: np.pad(x, [(0, size - len(x))] + [(0, 0)] * (x.ndim - 1))
     packed, rows = run.pack(*(grow(np.asarray(x)) for x in (*arrays, advantages)))
     batch = run.put(packed, job.rows.start, rows)
@@ -430,7 +430,7 @@ def finish_rollout(run: Run, job: InFlight):
         metrics["tree"] = " > ".join(tree or "plain" for tree in job.trees)  # stage by stage
     # The first response of each of the first two groups, to read what the policy writes.
     shown = [
-        {"step": job.step, "reward": float(rewards[i]), "response": responses[i]}
+        {"step": done.steps[i], "reward": float(rewards[i]), "response": responses[i]}
         for i in range(0, min(len(responses), 2 * rl.group_size), rl.group_size)
     ]
     return batch, metrics, shown, snapshot

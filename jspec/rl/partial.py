@@ -16,6 +16,13 @@ steps. Groups are never split: a group's finished completions wait until its las
 its advantages compare whole answers; a step trains on a varying number of groups (at most
 rl.prompts + K).
 
+What it costs: the rollout decodes K rows more than the batch (placeholders of one token where
+fewer are carried) and prefills K rows of prompt + max_new_tokens; a step trains on a batch's
+worth of sequences, or on room for K more groups in steps that complete more (a second compiled
+train step). A completion is carried until it ends, at least a token a step, so its oldest
+tokens may be up to max_new_tokens steps old (not bounded by rl.max_lag). `jspec.jobs.plan` does
+not count the extra rows.
+
 The `Pool` (the completions of groups not yet trained) belongs to the sampler's thread, which
 updates it after each rollout in step order (rollouts of later steps may run ahead of the
 trainer); a copy of it after each rollout goes with the checkpoint of the step that follows, so a
@@ -31,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from jspec.config import ConfigError
 from jspec.sampler import Continued
 
 
@@ -143,11 +151,22 @@ class Pool:
 
     def resume(self, run_dir: pathlib.Path, done: int) -> bool:
         """Takes the completions saved with the checkpoint after `done` steps; False if none
-        were (the pool stays empty)."""
+        were (the pool stays empty). Raises ConfigError when they do not fit this pool (a run
+        resumed with another rl.partial_rows or rollout.max_new_tokens)."""
         path = pool_path(run_dir, done)
-        if path.is_file():
-            self.pending, self.carried = pickle.loads(path.read_bytes()), []
-        return path.is_file()
+        if not path.is_file():
+            return False
+        pending = pickle.loads(path.read_bytes())
+        running = [c for c in pending if not c.finished]
+        longest = max((len(c.tokens) for c in running), default=0)
+        if len(running) > self.rows or longest >= self.max_new:
+            raise ConfigError(
+                f"{path} carries {len(running)} completions of up to {longest} tokens on, which "
+                f"rl.partial_rows={self.rows} and rollout.max_new_tokens={self.max_new} cannot "
+                "continue; resume with the values the run was saved with."
+            )
+        self.pending, self.carried = pending, []
+        return True
 
 
 def metrics(trained: Trained, finished, step: int, group_size: int) -> dict:

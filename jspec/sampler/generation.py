@@ -298,11 +298,13 @@ def rollout(
         stats=stats,
         key=key,
     )
+    carried, free = _continued_rows(k, b, shards)
     if continued is not None:
-        state = _continue(start, config, continued, p, state)
+        state = _continue(start, config, continued, p, carried, state)
     # The rows' first prompts, `chunk` rows at a time: a prefill's activations are of that many.
-    first = lambda i, s: fill(s, jnp.minimum(k + i * chunk + jnp.arange(chunk), b))
-    state = jax.lax.fori_loop(0, -(-(b - k) // chunk), first, state)
+    free = jnp.asarray(np.pad(free, (0, -len(free) % chunk), constant_values=b))
+    first = lambda i, s: fill(s, jax.lax.dynamic_slice_in_dim(free, i * chunk, chunk))
+    state = jax.lax.fori_loop(0, len(free) // chunk, first, state)
     for i, (rows, stage) in enumerate(stage_configs):
         step = functools.partial(_verify_step, target, draft, shared, stage, i)
         if i:
@@ -409,15 +411,23 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     return s._replace(queued=s.queued + jnp.sum(taken), key=key)
 
 
-def _continue(start, config: RolloutConfig, continued: Continued, p: int, s: _Loop) -> _Loop:
-    """The continued completions (outputs p, p + 1, ...) started in the first rows: their caches
-    filled from their tokens so far, in one prefill of their own width."""
-    k = continued.lengths.shape[0]
+def _continued_rows(k: int, b: int, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of `k` continued completions, dealt over the row shards in turn (a shard's live
+    rows hold back the buckets: the long ones must not crowd one), and the rows left free."""
+    j = np.arange(k)
+    carried = (j % shards) * (b // shards) + j // shards
+    return carried, np.setdiff1d(np.arange(b), carried)
+
+
+def _continue(start, config, continued: Continued, p: int, rows: np.ndarray, s: _Loop) -> _Loop:
+    """The continued completions (outputs p, p + 1, ...) started in `rows`: their caches filled
+    from their tokens so far, in one prefill of their own width."""
     start_key, key = jax.random.split(s.key)
     lengths = jnp.asarray(continued.lengths, jnp.int32)
     new, logprob = start(continued.tokens, lengths, start_key)
-    rows = jnp.arange(k)
-    s = _place(s, config, rows, p + rows, new, logprob, jnp.asarray(continued.budgets, jnp.int32))
+    outputs = p + jnp.arange(len(rows))
+    budgets = jnp.asarray(continued.budgets, jnp.int32)
+    s = _place(s, config, jnp.asarray(rows), outputs, new, logprob, budgets)
     return s._replace(key=key)
 
 

@@ -1,0 +1,30 @@
+"""`jspec.bench.long_tail` at test size: every variant of an RL step's rollout runs (plain and
+speculative, with and without buckets, and partial rollouts that carry rows into the next
+step), one rollout program each, and the table's JSON says so."""
+
+import json
+
+from helpers import LOOP
+
+from jspec.bench import long_tail
+
+
+def test_every_variant_runs_and_compiles_one_program(tmp_path):
+    overrides = [*LOOP, "rl.prompts=16", "rl.group_size=4", "rollout.max_new_tokens=16"]
+    overrides.append("rollout.buckets=[{rows: 32}]")
+    out = tmp_path / "long_tail.json"
+    args = ["--config", "demo", "--steps", "2", "--partial-rows", "8", "--out", str(out)]
+    long_tail.main([*args, *overrides])
+    report = json.loads(out.read_text())
+    names = [r["variant"] for r in report["rows"]]
+    assert names == [
+        "speculative",
+        "speculative + buckets",
+        "plain",
+        "plain + buckets",
+        "speculative + buckets, partial 8",
+    ]
+    assert report["programs"] >= len(names)
+    by_name = {r["variant"]: r for r in report["rows"]}
+    assert by_name["speculative"]["speedup_over_speculative"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["iterations"] >= 1 for r in report["rows"])

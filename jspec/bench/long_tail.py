@@ -33,7 +33,7 @@ from jspec import config as config_lib
 from jspec import hosts
 from jspec.jobs import cli, train_rl
 from jspec.rl import partial, tasks
-from jspec.sampler import Continued, generate
+from jspec.sampler import generate
 from jspec.sampler.generation import compiled_programs
 
 
@@ -96,13 +96,9 @@ def time_variant(run: train_rl.Run, models, data, config, speculative: bool, row
         key = jax.random.fold_in(jax.random.key(run.cfg.seed), step)
         start = time.perf_counter()
         if pool is not None:
-            continued = Continued(*pool.continued())
-            out = generate(
-                policy, draft, prompts, lengths, key, config, continued=continued, keep=rows
-            )
-            host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
-            generated = int(host[1][: rl.batch + len(pool.carried)].sum())
-            pool.add(step, 0, [None] * rl.batch, *jax.device_get((prompts, lengths)), host)
+            inputs = (policy, draft, prompts, lengths, key)
+            host = jax.device_get((prompts, lengths))
+            out, _, generated = pool.rollout(inputs, config, step, 0, [None] * rl.batch, *host)
         else:
             out = jax.block_until_ready(generate(policy, draft, prompts, lengths, key, config))
             generated = int(np.sum(jax.device_get(out.lengths)))

@@ -36,10 +36,11 @@ import pathlib
 import pickle
 from typing import Any
 
+import jax
 import numpy as np
 
-from jspec.config import ConfigError
-from jspec.sampler import Continued
+from jspec.config import ConfigError, RolloutConfig
+from jspec.sampler import Continued, Rollout, generate
 
 
 @dataclasses.dataclass
@@ -100,6 +101,28 @@ class Pool:
             tokens[j, : len(prefix)], lengths[j] = prefix, len(prefix)
             budgets[j] = self.max_new - len(c.tokens)
         return Continued(tokens, lengths, budgets)
+
+    def rollout(
+        self,
+        args: tuple,
+        config: RolloutConfig,
+        step: int,
+        version: int,
+        problems,
+        prompts,
+        prompt_lengths,
+        place=lambda arrays: arrays,
+    ) -> tuple[Rollout, Trained, int]:
+        """`generate(*args, config)` (args: policy, draft, prompts, lengths, key) of step `step`
+        by weights `version`, with the unfinished completions continued beside its prompts
+        (`place` puts their arrays on the devices) and at most `rows` left running; the rollout,
+        the groups now complete (`add`; `problems`, `prompts` and `prompt_lengths` on the host)
+        and the tokens it generated (not the idle rows')."""
+        continued = Continued(*place(tuple(self.continued())))
+        out = generate(*args, config, continued=continued, keep=self.rows)
+        host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
+        generated = int(host[1][: len(problems) + len(self.carried)].sum())
+        return out, self.add(step, version, problems, prompts, prompt_lengths, host), generated
 
     def add(self, step: int, version: int, problems, prompts, prompt_lengths, out) -> Trained:
         """Takes a rollout's host outputs `out` (tokens, lengths, logprobs, finished: the

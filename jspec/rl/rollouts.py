@@ -21,7 +21,7 @@ from jspec.config import RolloutConfig
 from jspec.rl.partial import Pool, Trained
 from jspec.rl.state import Networks, TrainState
 from jspec.rl.weights import WeightMover
-from jspec.sampler import Continued, Rollout, generate
+from jspec.sampler import Rollout, generate
 
 
 class Sampler:
@@ -90,14 +90,11 @@ class Sampler:
         version, batch = self.version, len(problems)
         args = self._inputs(prompts, prompt_lengths, batch, step, speculative)
         everywhere = NamedSharding(self.networks.mesh, PartitionSpec())
+        place = lambda arrays: jax.device_put(arrays, everywhere)  # noqa: E731
 
         def run() -> tuple[Rollout, Trained, int, bytes]:
-            continued = Continued(*jax.device_put(tuple(self.pool.continued()), everywhere))
-            out = generate(*args, config, continued=continued, keep=self.pool.rows)
-            host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
-            generated = int(host[1][: batch + len(self.pool.carried)].sum())  # not the idle rows
-            trained = self.pool.add(step, version, problems, prompts, prompt_lengths, host)
-            return out, trained, generated, self.pool.snapshot()
+            inputs = (step, version, problems, prompts, prompt_lengths, place)
+            return *self.pool.rollout(args, config, *inputs), self.pool.snapshot()
 
         return self._thread.submit(run)
 

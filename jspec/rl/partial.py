@@ -86,17 +86,19 @@ class Pool:
         self.rows, self.prompt_width, self.max_new = rows, prompt_width, max_new_tokens
         self.group_size = group_size
         self.pending: list[Completion] = []
-        self.carried: list[Completion] = []  # the unfinished, in the rows of the next rollout
+
+    def unfinished(self) -> list[Completion]:
+        """The completions still running, in the order of the next rollout's continued rows."""
+        return [c for c in self.pending if not c.finished]
 
     def continued(self) -> Continued:
         """The unfinished completions as the next rollout's continued rows (numpy): `rows` rows
         of the widest prefix there can be, the rows past them of one token and a budget of one
         (they end at their first token)."""
-        self.carried = [c for c in self.pending if not c.finished]
         width = self.prompt_width + self.max_new - 1
         tokens = np.zeros((self.rows, width), np.int32)
         lengths, budgets = np.ones(self.rows, np.int32), np.ones(self.rows, np.int32)
-        for j, c in enumerate(self.carried):
+        for j, c in enumerate(self.unfinished()):
             prefix = np.concatenate([c.prompt, c.tokens])
             tokens[j, : len(prefix)], lengths[j] = prefix, len(prefix)
             budgets[j] = self.max_new - len(c.tokens)
@@ -121,7 +123,7 @@ class Pool:
         continued = Continued(*place(tuple(self.continued())))
         out = generate(*args, config, continued=continued, keep=self.rows)
         host = jax.device_get((out.tokens, out.lengths, out.logprobs, out.finished))
-        generated = int(host[1][: len(problems) + len(self.carried)].sum())
+        generated = int(host[1][: len(problems) + len(self.unfinished())].sum())
         return out, self.add(step, version, problems, prompts, prompt_lengths, host), generated
 
     def add(self, step: int, version: int, problems, prompts, prompt_lengths, out) -> Trained:
@@ -129,24 +131,23 @@ class Pool:
         prompts' rows, then `continued`'s) of step `step` sampled by weights `version`; returns
         the groups now complete, taken out of the pool."""
         tokens, lengths, logprobs, finished = out
-        p = len(problems)
+        p, carried = len(problems), self.unfinished()
         for i in range(p):
             n = int(lengths[i])
             prompt = np.asarray(prompts[i, : prompt_lengths[i]], np.int32)
             c = Completion(step, i // self.group_size, problems[i], prompt, *_empty(), False)
             c.extend(tokens[i, :n], logprobs[i, :n], version, bool(finished[i]))
             self.pending.append(c)
-        for j, c in enumerate(self.carried):
+        for j, c in enumerate(carried):
             n = int(lengths[p + j])
             c.extend(tokens[p + j, :n], logprobs[p + j, :n], version, bool(finished[p + j]))
-        self.carried = []
         groups: dict[tuple[int, int], list[Completion]] = {}
         for c in self.pending:
             groups.setdefault((c.step, c.group), []).append(c)
         done = [g for g in groups.values() if all(c.finished for c in g)]
         taken = {id(c) for g in done for c in g}
         self.pending = [c for c in self.pending if id(c) not in taken]
-        unfinished = sum(not c.finished for c in self.pending)
+        unfinished = len(self.unfinished())
         assert unfinished <= self.rows, f"{unfinished} unfinished completions past {self.rows}"
         return self._trained([c for g in done for c in g])
 
@@ -188,7 +189,7 @@ class Pool:
                 f"rl.partial_rows={self.rows} and rollout.max_new_tokens={self.max_new} cannot "
                 "continue; resume with the values the run was saved with."
             )
-        self.pending, self.carried = pending, []
+        self.pending = pending
         return True
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from jspec import config as config_lib
 from jspec.bench import plan_check
-from jspec.jobs import plan
+from jspec.jobs import plan, plan_devices
 
 SMALL = [
     "model.vocab_size=512",
@@ -132,7 +132,10 @@ def test_a_mesh_left_to_the_devices_is_refused():
 
 @pytest.fixture
 def planner_env(monkeypatch):
-    """`plan.main` sets the jax variables for its virtual devices: put them back afterwards."""
+    """`plan.main` sets the jax variables for its virtual devices: put them back afterwards. The
+    backend starts first, with the tests' 8 devices, so a plan's smaller count never becomes this
+    process's (and the next test file's) device count."""
+    jax.devices()
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
         monkeypatch.setenv(name, os.environ.get(name, ""))
 
@@ -272,12 +275,12 @@ def test_a_mesh_that_does_not_fit_the_slice_is_refused_before_compiling(monkeypa
 
 @needs_libtpu
 def test_a_tpu_device_has_its_chip_s_memory_unless_told(planner_env):
-    v4 = plan.topology_devices("v4:2x2x1")
-    assert plan.device_memory(v4, None, "v4:2x2x1") == 16.0  # 32 GB a chip, two devices
-    assert plan.device_memory(v4, 20.0, "v4:2x2x1") == 20.0  # --memory wins
-    v5p = plan.topology_devices("v5p:2x2x1")
-    assert plan.device_memory(v5p, None, "v5p:2x2x1") == 95.0
-    assert plan.device_memory(jax.devices("cpu"), None, None) == 141.0  # an H200's
+    v4 = plan_devices.topology_devices("v4:2x2x1")
+    assert plan_devices.device_memory(v4, None, "v4:2x2x1") == 16.0  # 32 GB a chip, two devices
+    assert plan_devices.device_memory(v4, 20.0, "v4:2x2x1") == 20.0  # --memory wins
+    v5p = plan_devices.topology_devices("v5p:2x2x1")
+    assert plan_devices.device_memory(v5p, None, "v5p:2x2x1") == 95.0
+    assert plan_devices.device_memory(jax.devices("cpu"), None, None) == 141.0  # an H200's
 
 
 @needs_libtpu
@@ -325,3 +328,70 @@ def test_the_plan_check_runs_the_planned_program_on_inputs_of_its_shapes(monkeyp
 def test_a_gpu_topology_is_checked_before_compiling(topology, message, planner_env):
     with pytest.raises(config_lib.ConfigError, match=message):
         plan.main(["--config", "tiny", "--mesh", "data=8", "--gpu-topology", topology])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--gpu-topology", "1x2", "--gpu-target", "b100"],
+            r"--gpu-target b100: no such GPU description; name one of h100, h200",
+        ),
+        (["--gpu-target", "h200"], r"--gpu-target describes the GPUs, --gpu-topology HOSTSxGPUS"),
+        (["--gpu-topology", "1x2", "--gpu-target", "missing.txtpb"], r"no such GPU description"),
+    ],
+)
+def test_a_gpu_target_is_checked_before_compiling(extra, message, planner_env):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        plan.main(["--config", "tiny", "--mesh", "data=2", *extra])
+
+
+def test_a_gpu_target_without_the_cuda_plugin_names_the_install(monkeypatch, planner_env):
+    for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"):
+        monkeypatch.setitem(sys.modules, name, None)  # find_spec then finds no plugin
+    argv = ["--config", "tiny", "--mesh", "data=2", "--gpu-topology", "1x2", "--gpu-target", "h200"]
+    with pytest.raises(config_lib.ConfigError, match=r"h200.*pip install -e '\.\[gpu\]'"):
+        plan.main(argv)
+
+
+needs_cuda_plugin = pytest.mark.skipif(
+    not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
+    reason="jax's CUDA plugin (XLA's GPU compiler) is not installed: pip install -e '.[gpu]'",
+)
+
+
+@needs_cuda_plugin
+def test_a_gpu_target_compiles_both_programs_without_a_gpu(capsys, planner_env):
+    """XLA's GPU compiler on this host, for two H200s it only knows from their description: the
+    programs hold the Pallas GPU kernels a GPU run would, though no GPU is here to run them."""
+    argv = ["--config", "tiny", "--mesh", "data=2", "--seq-len", "128", "rollout.max_new_tokens=16"]
+    result = plan.main([*argv, "--gpu-topology", "1x2", "--gpu-target", "h200"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"GPU compile (XLA GPU compiler of jax {jax.__version__} for topology 1x2, 2 chips of "
+        "NVIDIA H200 141GB HBM3e; from --gpu-target h200, no GPU: untuned) of tiny"
+    )
+    assert lines[1].endswith("device memory 113.548 GB"), lines[1]  # jax's 75% of 141 GiB
+    assert result.platform == "gpu" and result.chips == 2
+    assert result.train.peak > result.parameters + result.optimizer > 0
+    assert result.train.flops is None and "not known" in lines[7]
+    kernels = ("jspec_attention_dkdv", "jspec_attention_dq", "jspec_attention_fwd")
+    assert result.kernels == (*kernels, "jspec_decode_trunk"), result.kernels
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("program", plan_check.PROGRAMS)
+def test_the_plan_check_compiles_for_a_described_gpu(monkeypatch, program):
+    monkeypatch.setitem(plan_check.CASES, "tiny", ("tiny", (), 64, 2, 2))
+    figures = plan_check.measure("tiny", program, "described", "h200")
+    assert figures["planned_above_inputs"] > 0 and figures["flops"] is None
+    assert "measured_above_inputs" not in figures  # nothing runs without the GPU
+
+
+def test_the_plan_check_table_has_a_column_for_every_figure():
+    figures = lambda planned: {"planned_above_inputs": planned}
+    row = {"case": "c", "program": "train", "measured": 2e9}
+    row |= {p: figures(x) for p, x in zip(plan_check.PLATFORMS, (2e9, 2.2e9, 3e9), strict=True)}
+    header, rule, line = plan_check.table([row]).splitlines()
+    assert header.count("|") == rule.count("|") == line.count("|")
+    assert line == "| c | train | 2.00 | 2.00 | 1.000 | 2.20 | 1.100 | 3.00 | 1.500 |"

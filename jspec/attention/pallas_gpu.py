@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, masks
+from jspec.attention import blocks, masks, target
 
 try:  # the Triton lowering's compiler parameters (num_warps, num_stages)
     from jax.experimental.pallas import triton as plgpu
@@ -77,13 +77,9 @@ def default_tiles(dtype) -> Tiles:
 
 
 def available() -> bool:
-    """Whether the kernel can be compiled for the default backend (a CUDA GPU with Triton)."""
-    if plgpu is None:
-        return False
-    try:
-        return jax.default_backend() == "gpu" and jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
+    """Whether the kernel compiles for the device programs are traced for (`target.device()`: a
+    GPU, through Triton)."""
+    return plgpu is not None and target.platform() == "gpu"
 
 
 def supports(head_dim: int) -> bool:

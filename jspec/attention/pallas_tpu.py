@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, masks
+from jspec.attention import blocks, masks, target
 
 _SQ = pl.squeezed
 
@@ -52,11 +52,9 @@ TILES = Tiles()
 
 
 def available() -> bool:
-    """Whether the default backend is a TPU (where 'auto' takes these kernels)."""
-    try:
-        return jax.default_backend() == "tpu"
-    except RuntimeError:
-        return False
+    """Whether programs are traced for a TPU (`target.device()`), where 'auto' takes these
+    kernels."""
+    return target.platform() == "tpu"
 
 
 _NT, _NN, _TN = ((((1,), (1,)), ((), ())), (((1,), (0,)), ((), ())), (((0,), (0,)), ((), ())))

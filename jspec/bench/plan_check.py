@@ -8,9 +8,11 @@ batch) and each of its two programs (the co-training train step, the speculative
 fresh process compiles the program as `python -m jspec.jobs.plan --gpu` does, for the first GPU,
 runs it once on inputs of the planned shapes and shardings (zeros, the rollout's prompts of one
 token: the memory is static), and reads the device's peak: the peak above the inputs is what the
-planner calls temporaries plus the outputs not aliased to donated inputs. A second process gives
-the CPU estimate of the same program (`python -m jspec.jobs.plan`). Prints a Markdown table
-(GPU compile and CPU estimate, each against the measured peak) and writes JSON.
+planner calls temporaries plus the outputs not aliased to donated inputs. Two more processes, with
+no GPU in sight (JAX_PLATFORMS=cpu), give the figures of the same program compiled for the GPU
+`--gpu-target` describes (`python -m jspec.jobs.plan --gpu-target`: no autotuning) and the CPU
+estimate (`python -m jspec.jobs.plan`). Prints a Markdown table (each against the measured peak)
+and writes JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import mesh as mesh_lib
-from jspec.jobs import cli, plan
+from jspec.jobs import cli, plan, plan_devices
 
 # name: (config, overrides, tokens per training row, training rows, rollout batch). The Qwen3-8B
 # shape keeps 12 of its 36 layers, so that its float32 parameters and Adam state fit one H200.
@@ -41,6 +43,7 @@ CASES = {
     ),
 }
 PROGRAMS = ("train", "rollout")
+PLATFORMS = ("gpu", "described", "cpu")  # this GPU's compile, a described GPU's, the CPU estimate
 TIMEOUT_S = 900  # for one program's process: compile, run, compile for the CPU
 
 
@@ -48,7 +51,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_plan_check.json"))
-    p.add_argument("--measure", nargs=3, metavar=("CASE", "PROGRAM", "PLATFORM"), help="internal")
+    p.add_argument("--gpu-target", default="h200", help="the GPU description (as the planner's)")
+    p.add_argument("--measure", nargs=4, metavar=("CASE", "PROGRAM", "PLATFORM", "TARGET"))
     return p.parse_args(argv)
 
 
@@ -77,10 +81,16 @@ def materialize(abstract):
     return jax.jit(lambda: jax.tree.map(make, abstract), out_shardings=shardings)()
 
 
-def measure(case: str, program: str, platform: str) -> dict:
+def measure(case: str, program: str, platform: str, gpu_target: str = "h200") -> dict:
     """The planner's figures of one program compiled for `platform` ('gpu': this machine's first
-    GPU, also run there for its measured peak above the inputs; 'cpu': one virtual CPU device)."""
-    devices = plan.gpu_devices(1) if platform == "gpu" else jax.devices("cpu")[:1]
+    GPU, also run there for its measured peak above the inputs; 'described': one GPU of the
+    description `gpu_target`; 'cpu': one virtual CPU device)."""
+    if platform == "gpu":
+        devices = plan_devices.gpu_devices(1)
+    elif platform == "described":
+        devices = plan_devices.gpu_topology_devices("1x1", plan_devices.gpu_target(gpu_target))
+    else:
+        devices = jax.devices("cpu")[:1]
     compiled, abstract = compiled_program(case, program, devices)
     figures = plan.Figures.of(compiled)
     out = {"planned_above_inputs": figures.peak - figures.arguments, **figures._asdict()}
@@ -105,12 +115,13 @@ def peak_above_inputs(compiled, abstract, device) -> int:
     return peak - stats["bytes_in_use"]
 
 
-def in_process(case: str, program: str, platform: str) -> dict:
+def in_process(case: str, program: str, platform: str, gpu_target: str) -> dict:
     """`measure` in a process of its own: the device's peak counts that program alone."""
     env = dict(os.environ)
-    if platform == "cpu":
+    if platform != "gpu":
         env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, "-m", "jspec.bench.plan_check", "--measure", case, program, platform]
+    module = "jspec.bench.plan_check"
+    command = [sys.executable, "-m", module, "--measure", case, program, platform, gpu_target]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -120,15 +131,17 @@ def in_process(case: str, program: str, platform: str) -> dict:
 def table(rows: list[dict]) -> str:
     gb = lambda x: f"{x / plan.GB:.2f}"
     lines = [
-        "| case | program | measured GB | GPU compile GB | GPU / measured | CPU estimate GB | "
-        "CPU / measured |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| case | program | measured GB | GPU compile GB | / measured | described GPU (no GPU) GB "
+        "| / measured | CPU estimate GB | / measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        m, g, c = r["measured"], r["gpu_planned"], r["cpu_planned"]
+        m = r["measured"]
+        planned = (r[p]["planned_above_inputs"] for p in PLATFORMS)
         lines.append(
-            f"| {r['case']} | {r['program']} | {gb(m)} | {gb(g)} | {g / m:.3f} | {gb(c)} | "
-            f"{c / m:.2f} |"
+            f"| {r['case']} | {r['program']} | {gb(m)} | "
+            + " | ".join(f"{gb(x)} | {x / m:.3f}" for x in planned)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -138,22 +151,14 @@ def main(argv=None):
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return
-    plan.gpu_devices(1)  # a clear error before any process starts
+    plan_devices.gpu_devices(1)  # clear errors before any process starts
+    plan_devices.gpu_target(args.gpu_target)
     rows = []
     for case in args.cases:
         for program in PROGRAMS:
-            gpu, cpu = (in_process(case, program, p) for p in ("gpu", "cpu"))
-            rows.append(
-                {
-                    "case": case,
-                    "program": program,
-                    "measured": gpu["measured_above_inputs"],
-                    "gpu_planned": gpu["planned_above_inputs"],
-                    "cpu_planned": cpu["planned_above_inputs"],
-                    "gpu": gpu,
-                    "cpu": cpu,
-                }
-            )
+            figures = {p: in_process(case, program, p, args.gpu_target) for p in PLATFORMS}
+            measured = figures["gpu"]["measured_above_inputs"]
+            rows.append({"case": case, "program": program, "measured": measured, **figures})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     args.out.write_text(

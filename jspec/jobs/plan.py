@@ -28,11 +28,21 @@ GPU compiler, with the Pallas GPU kernels 'auto' picks there: the GPU's own figu
 compile-only devices (its one GPU gives the target and autotunes the kernels), and XLA partitions
 the programs for them, collectives included: a cluster's figures from one of its GPUs.
 
-Without either, the CPU compiler schedules and fuses differently from the GPU's, so the report
+    python -m jspec.jobs.plan --config qwen3-8b-256k --gpu-topology 8x8 --gpu-target h200
+
+With `--gpu-target` (h100, h200: XLA's descriptions of those GPUs, in `jspec/jobs/gpu_targets/`;
+or a file of the same form) the GPUs come from the description instead, so any machine with jax's
+CUDA plugin (`pip install -e '.[gpu]'`) compiles them, no GPU needed: XLA's GPU compiler and the
+Pallas GPU kernels, as a GPU run compiles them, but with no kernel autotuned (the local GPU's
+figures and these are compared by `jspec.bench.plan_check`) and no FLOPs (XLA's cost analysis
+needs the GPU). The device memory is jax's share of the described GPU's (75%, or
+XLA_PYTHON_CLIENT_MEM_FRACTION).
+
+With none of them, the CPU compiler schedules and fuses differently from the GPU's, so the report
 calls itself a CPU estimate: `tests/test_plan.py` checks the activation figure against the memory a
-CPU run actually takes, and a GPU compile of the same train step has measured 1.5-1.8x lower
-temporaries (the cuDNN / Pallas attention kernels need less workspace than the CPU's blockwise
-attention; BENCHMARKS.md, "The planner's report"). For a mixture of experts the report states what
+CPU run actually takes, and a GPU compile of the same programs gives 1.5-2.4x lower peaks (the
+Pallas attention kernels need less workspace than the CPU's blockwise attention; BENCHMARKS.md,
+"The planner's report"). For a mixture of experts the report states what
 its figures assume: experts per device, the dropless dispatch's receive buffers, and the CPU's
 grouped matmuls, which copy their rows once per local expert where a Hopper GPU's kernels do not
 (an upper estimate).
@@ -54,9 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
-import os
 import re
 import sys
 from typing import NamedTuple
@@ -68,21 +76,26 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jspec import config as config_lib
 from jspec import mesh as mesh_lib
+from jspec.attention import target as attention_target
 from jspec.config import ConfigError, RLConfig
 from jspec.jobs import cli
+from jspec.jobs.plan_devices import (
+    GB,
+    GPU_TARGETS,
+    TOPOLOGIES,
+    chips,
+    count_mismatch,
+    device_memory,
+    gpu_target,
+    hardware,
+    mesh_devices,
+)
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft
 from jspec.models.transformer import Transformer
 from jspec.rl.packing import PackedBatch
 from jspec.rl.state import Networks, TrainState, moment_shardings, optimizer, trained_groups
 from jspec.rl.train import make_train_step
 from jspec.sampler import rollout
-
-GB = 1e9
-H200_GB = 141.0  # the CPU estimate's default device memory
-# HBM per chip by the device kind libtpu reports. Google states these in GiB; read as GB (10^9
-# bytes, as the report counts) the verdict errs on the safe side by about 7%.
-CHIP_GB = {"TPU v4": 32.0, "TPU v5": 95.0, "TPU v5 lite": 16.0, "TPU v6 lite": 32.0}
-TOPOLOGIES = "v5p:4x4x4, v4:2x2x2, v5e:4x4, v6e:4x4"  # examples of the spelling libtpu accepts
 
 
 def parse_args(argv=None):
@@ -113,7 +126,16 @@ def parse_args(argv=None):
         metavar="HOSTSxGPUS",
         help="compile for HOSTS hosts of GPUS GPUs each (e.g. 8x8) with XLA's GPU compiler,\n"
         "on a machine with one GPU of the kind planned for: compile-only devices of its kind\n"
-        "(its GPU autotunes the kernels); --mesh must multiply to HOSTS * GPUS",
+        "(its GPU autotunes the kernels), or of --gpu-target's kind on any machine;\n"
+        "--mesh must multiply to HOSTS * GPUS",
+    )
+    p.add_argument(
+        "--gpu-target",
+        default=None,
+        metavar="NAME|FILE",
+        help="with --gpu-topology: compile on a machine with no GPU, for GPUs of this\n"
+        f"description: {', '.join(sorted(GPU_TARGETS))} (XLA's) or a GpuTargetConfigProto\n"
+        "text file. Needs jax's CUDA plugin (pip install -e '.[gpu]'); nothing is autotuned",
     )
     p.add_argument(
         "--topology",
@@ -133,7 +155,7 @@ class Figures(NamedTuple):
     outputs: int
     aliased: int
     temporaries: int
-    flops: float
+    flops: float | None  # None: a compile without the GPU (--gpu-target) analyses no cost
 
     @property
     def peak(self) -> int:
@@ -149,7 +171,7 @@ class Figures(NamedTuple):
             m.output_size_in_bytes,
             m.alias_size_in_bytes,
             m.temp_size_in_bytes,
-            float(cost.get("flops", 0.0)),
+            None if cost is None else float(cost.get("flops", 0.0)),
         )
 
 
@@ -198,144 +220,6 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
         )
     model = dataclasses.replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))
     return dataclasses.replace(cfg, mesh=mesh, model=model).validate(), seq_len
-
-
-def topology_devices(name: str) -> list:
-    """The compile-only devices of the TPU slice `name`: libtpu describes its chips on the CPU, so
-    XLA's TPU compiler compiles for a slice no one has booked. A missing libtpu and a name libtpu
-    refuses are clear errors here, before anything compiles."""
-    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
-        raise ConfigError(
-            f"--topology {name}: compiling for a TPU needs libtpu (XLA's TPU compiler), which is "
-            "not installed; pip install -e '.[tpu]' (jax[tpu]: the libtpu of this jax)."
-        )
-    from jax.experimental import topologies
-
-    # libtpu's lockfile keeps a second process off a TPU's chips; this one only compiles, so two
-    # planners (or a planner beside a job on a TPU VM) may load libtpu together.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    try:
-        return topologies.get_topology_desc(name, platform="tpu").devices
-    except jax.errors.JaxRuntimeError as error:
-        reason = str(error).splitlines()[0]
-        if not reason.startswith("INVALID_ARGUMENT"):
-            raise
-        raise ConfigError(
-            f"--topology {name!r}: libtpu does not know this slice ({reason}); write "
-            f"GENERATION:SHAPE, the chips along each axis of the slice, e.g. {TOPOLOGIES}."
-        ) from None
-
-
-def gpu_devices(need: int, flag: str = "--gpu") -> list:
-    """This machine's first `need` GPUs, to compile for (`flag`); an error naming what it has
-    when they are fewer."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if len(gpus) < need:
-        raise ConfigError(
-            f"{flag}: the mesh needs {need} GPUs and this machine has {len(gpus)}; plan a mesh "
-            f"of at most {len(gpus)} devices with --mesh, or leave out {flag} for the CPU estimate."
-            if gpus
-            else f"{flag}: this machine has no GPU that jax can use (jax.devices('gpu') is empty); "
-            f"run the planner on the GPU machine, or leave out {flag} for the CPU estimate."
-        )
-    return gpus[:need]
-
-
-def gpu_topology_devices(name: str) -> list:
-    """Compile-only devices of `name` ('HOSTSxGPUS') of this machine's GPU kind: jax's CUDA
-    plugin describes them from the local GPU (its target config, and its autotuning), so XLA's
-    GPU compiler partitions for a cluster that one GPU stands in for."""
-    match = re.fullmatch(r"(\d+)x(\d+)", name)
-    if match is None or 0 in (hosts := int(match[1]), per_host := int(match[2])):
-        raise ConfigError(
-            f"--gpu-topology {name!r}: write HOSTSxGPUS, the hosts and the GPUs of each, e.g. 8x8."
-        )
-    gpu_devices(1, "--gpu-topology")  # the GPU that stands in: a clear error without one
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}").devices
-
-
-def mesh_devices(
-    topology: str | None, mesh: config_lib.MeshConfig, gpu: str | bool = False
-) -> list:
-    """The devices to plan on: this machine's GPUs with `gpu` True, the compile-only GPUs of a
-    `--gpu-topology` given as `gpu`, the TPU slice's for a `--topology`, else one virtual CPU
-    device per mesh position. Call it before jax starts its backend: it sets the CPU's device
-    count."""
-    need = math.prod(dataclasses.astuple(mesh))
-    if gpu and topology is not None:
-        raise ConfigError(f"a GPU target and --topology {topology}: compile for one; pick one.")
-    if gpu:
-        return gpu_devices(need) if gpu is True else gpu_topology_devices(gpu)
-    if topology is None:
-        mesh_lib.use_cpu_devices(need)
-        return jax.devices()[:need]
-    mesh_lib.use_cpu_devices(1)  # the host only compiles: jax must not look for a TPU on it
-    return topology_devices(topology)
-
-
-def _is_gpu(device) -> bool:
-    return device.platform in ("gpu", "cuda", "rocm")
-
-
-def _chips(devices) -> int:
-    """Distinct chips: libtpu describes a TPU v4 chip as two devices (its two cores, one coords);
-    a v5p, v5e or v6e chip is one device, and so is each CPU device."""
-    return len({tuple(d.coords) if d.platform == "tpu" else d.id for d in devices})
-
-
-def hardware(devices: int, chips: int, kind: str) -> str:
-    """`4 chips of TPU v5`, or for chips of several devices `4 chips of TPU v4, 2 devices each`."""
-    split = f", {devices // chips} devices each" if devices != chips else ""
-    return f"{chips} chip{'s' * (chips > 1)} of {kind}{split}"
-
-
-def device_memory(devices, memory_gb: float | None, topology: str | None) -> float:
-    """GB per device to judge the peaks by: --memory, else what XLA may allocate of this machine's
-    GPU (planned for, or standing in for a --gpu-topology), an H200's for the CPU estimate, or the
-    TPU chip's HBM shared by its devices. Known before compiling, so an unknown chip stops here."""
-    if memory_gb is not None:
-        return memory_gb
-    if _is_gpu(devices[0]):
-        stats = jax.devices("gpu")[0].memory_stats()
-        if not stats:
-            raise ConfigError("this GPU does not report its memory to jax; pass --memory GB.")
-        return stats["bytes_limit"] / GB
-    if devices[0].platform != "tpu":
-        return H200_GB
-    kind = devices[0].device_kind
-    if kind not in CHIP_GB:
-        raise ConfigError(
-            f"--topology {topology}: no memory figure for chips of {kind!r} (known: "
-            f"{', '.join(CHIP_GB)}); pass --memory GB per device."
-        )
-    return CHIP_GB[kind] * _chips(devices) / len(devices)
-
-
-def _count_mismatch(sizes: dict, devices) -> str:
-    """Why the mesh does not fit the devices, and what to change."""
-    need, have = math.prod(sizes.values()), len(devices)
-    if devices and _is_gpu(devices[0]):
-        return (
-            f"mesh {sizes} has {need} positions, the GPUs planned for are {have}; pass a --mesh "
-            f"whose sizes multiply to {have}, or GPUs (--gpu-topology HOSTSxGPUS) that make {need}."
-        )
-    if devices and devices[0].platform == "tpu":
-        slice_ = hardware(have, _chips(devices), devices[0].device_kind)
-        return (
-            f"mesh {sizes} has {need} positions, the TPU slice has {have} devices ({slice_}); "
-            f"pass a --mesh whose sizes multiply to {have}, e.g. --mesh data={have}, or a "
-            f"--topology of {need} devices."
-        )
-    return (
-        f"mesh {sizes} needs {need} devices, {have} were given; run `python -m jspec.jobs.plan` "
-        "(it makes the virtual CPU devices), or set XLA_FLAGS="
-        f"--xla_force_host_platform_device_count={need} before jax starts."
-    )
 
 
 def abstract_networks(cfg: config_lib.Config, mesh):
@@ -407,7 +291,8 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
     step = make_train_step(
         networks, tx, trained, rl, cfg.rollout, num_sequences=rows * rl.sequences_per_row
     )
-    compiled = step.lower(state, batch).compile()
+    with attention_target.compiling_for(mesh.devices.flat[0]):
+        compiled = step.lower(state, batch).compile()
     return compiled, state, batch
 
 
@@ -429,7 +314,8 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
         key_type.shape, key_type.dtype, sharding=NamedSharding(networks.mesh, PartitionSpec())
     )
     args = (params, prompts, lengths, key)
-    return jax.jit(run).lower(*args).compile(), args
+    with attention_target.compiling_for(networks.mesh.devices.flat[0]):
+        return jax.jit(run).lower(*args).compile(), args
 
 
 def plan(
@@ -443,7 +329,7 @@ def plan(
     mesh that does not fit them is refused before anything compiles."""
     sizes = dataclasses.asdict(cfg.mesh)
     if len(devices) != math.prod(sizes.values()):
-        raise ConfigError(_count_mismatch(sizes, devices))
+        raise ConfigError(count_mismatch(sizes, devices))
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     networks, params = abstract_networks(cfg, mesh)
     rows = rows or sizes["data"]
@@ -458,7 +344,7 @@ def plan(
         Figures.of(roll),
         devices[0].platform,
         devices[0].device_kind,
-        _chips(devices),
+        chips(devices),
         tuple(sorted({k for c in (train, roll) for k in re.findall(r"jspec_\w+", c.as_text())})),
     )
 
@@ -473,14 +359,18 @@ def _flop(n: float) -> str:
     return f"{n / 1e12:>9.1f} TFLOP" if n >= 1e11 else f"{n / 1e9:>9.2f} GFLOP"
 
 
-def target(p: Plan, devices: int, topology: str | None = None) -> str:
+def target(
+    p: Plan, devices: int, topology: str | None = None, gpu_target: str | None = None
+) -> str:
     """The report's first line: whose figures these are (the compiler and its jax version, and for
-    a TPU slice its topology and chips), so no one reads them as a GPU's or another version's."""
+    a slice or cluster its topology and chips, and the description of GPUs compiled for without
+    one), so no one reads them as another machine's or another version's."""
     name = "GPU" if p.platform in ("gpu", "cuda", "rocm") else p.platform.upper()
     compiler = f"XLA {name} compiler of jax {jax.__version__}"
     if topology is not None:
         chips = hardware(devices, p.chips, p.device_kind)
-        return f"{name} compile ({compiler} for topology {topology}, {chips})"
+        described = f"; from --gpu-target {gpu_target}, no GPU: untuned" if gpu_target else ""
+        return f"{name} compile ({compiler} for topology {topology}, {chips}{described})"
     if p.platform == "cpu":
         return f"CPU estimate ({compiler} on {devices} virtual device{'s' * (devices > 1)})"
     return f"{name} compile ({compiler} for {devices} {p.device_kind})"
@@ -517,17 +407,25 @@ def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
 
 
 def report(
-    cfg: config_lib.Config, p: Plan, seq_len: int, memory_gb: float, topology: str | None = None
+    cfg: config_lib.Config,
+    p: Plan,
+    seq_len: int,
+    memory_gb: float,
+    topology: str | None = None,
+    gpu_target: str | None = None,
 ) -> str:
     sizes = dataclasses.asdict(cfg.mesh)
     mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
     verdict = lambda peak: "fits" if peak <= memory_gb * GB else "DOES NOT FIT"
     line = lambda name, value, note="": f"  {name:<38}{_size(value)}  {note}".rstrip()
-    flops = lambda f: f"  {'FLOPs per device':<38}{_flop(f)}"
+    flops = lambda f, note="": (
+        f"  {'FLOPs per device':<38}"
+        + ("not known (XLA analyses no cost without the GPU)" if f is None else _flop(f) + note)
+    )
     t, r = p.train, p.rollout
     return "\n".join(
         [
-            f"{target(p, math.prod(sizes.values()), topology)} of {cfg.name}",
+            f"{target(p, math.prod(sizes.values()), topology, gpu_target)} of {cfg.name}",
             f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
             *moe_assumptions(cfg, p.platform),
             "train step (GRPO + draft co-training, one update)",
@@ -540,7 +438,7 @@ def report(
             line("parameters", r.arguments),
             line("KV caches and temporaries", r.temporaries),
             line("peak", r.peak, verdict(r.peak)),
-            flops(r.flops) + "  (prefill + one verify step)",
+            flops(r.flops, "  (prefill + one verify step)"),
             f"  {'Pallas kernels':<38}{', '.join(p.kernels) or 'none (attention in XLA)'}",
         ]
     )
@@ -551,10 +449,17 @@ def main(argv=None) -> Plan:
     cfg, seq_len = plan_config(args)
     if args.gpu and args.gpu_topology:
         raise ConfigError("--gpu and --gpu-topology: the second names the GPUs; give one of them.")
-    devices = mesh_devices(args.topology, cfg.mesh, args.gpu_topology or args.gpu)
-    memory = device_memory(devices, args.memory, args.topology)
+    if args.gpu_target and not args.gpu_topology:
+        raise ConfigError(
+            "--gpu-target describes the GPUs, --gpu-topology HOSTSxGPUS says how many: give "
+            "both (e.g. --gpu-topology 1x8 for one host of 8)."
+        )
+    described = args.gpu_target and gpu_target(args.gpu_target)
+    devices = mesh_devices(args.topology, cfg.mesh, args.gpu_topology or args.gpu, described)
+    memory = device_memory(devices, args.memory, args.topology, described)
     result = plan(cfg, seq_len, devices, args.rows, args.rollout_batch)
-    print(report(cfg, result, seq_len, memory, args.topology or args.gpu_topology))
+    topology = args.topology or args.gpu_topology
+    print(report(cfg, result, seq_len, memory, topology, args.gpu_target))
     return result
 
 

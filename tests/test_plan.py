@@ -205,6 +205,9 @@ def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env)
     # A TPU compile's grouped matmuls are the TPU compiler's: no note on the CPU's copies.
     tpu = plan.moe_assumptions(cfg, "tpu")
     assert tpu == plan.moe_assumptions(cfg)[:2] and "CPU" not in "".join(tpu)
+    # A GPU compiled for from its description cannot compile the Mosaic kernels: it says so.
+    described = plan.moe_assumptions(cfg, "gpu", "h200")
+    assert described[:2] == tpu and "lax.ragged_dot" in described[2]
 
 
 needs_libtpu = pytest.mark.skipif(
@@ -361,20 +364,26 @@ needs_cuda_plugin = pytest.mark.skipif(
 
 
 @needs_cuda_plugin
-def test_a_gpu_target_compiles_both_programs_without_a_gpu(capsys, planner_env):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_gpu_target_compiles_both_programs_without_a_gpu(moe, capsys, planner_env):
     """XLA's GPU compiler on this host, for two H200s it only knows from their description: the
-    programs hold the Pallas GPU kernels a GPU run would, though no GPU is here to run them."""
+    programs hold the Pallas GPU kernels a GPU run would, though no GPU is here to run them (a
+    mixture of experts' grouped products are lax.ragged_dot, and the report says so)."""
     argv = ["--config", "tiny", "--mesh", "data=2", "--seq-len", "128", "rollout.max_new_tokens=16"]
-    result = plan.main([*argv, "--gpu-topology", "1x2", "--gpu-target", "h200"])
-    lines = capsys.readouterr().out.splitlines()
+    experts = ["model.num_experts=8", "model.num_experts_per_tok=2"]
+    experts += ["model.moe_intermediate_size=64"]
+    result = plan.main([*argv, *experts * moe, "--gpu-topology", "1x2", "--gpu-target", "h200"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     assert lines[0] == (
         f"GPU compile (XLA GPU compiler of jax {jax.__version__} for topology 1x2, 2 chips of "
         "NVIDIA H200 141GB HBM3e; from --gpu-target h200, no GPU: untuned) of tiny"
     )
     assert lines[1].endswith("device memory 113.548 GB"), lines[1]  # jax's 75% of 141 GiB
+    assert ("grouped products as lax.ragged_dot" in out) is moe
     assert result.platform == "gpu" and result.chips == 2
     assert result.train.peak > result.parameters + result.optimizer > 0
-    assert result.train.flops is None and "not known" in lines[7]
+    assert result.train.flops is None and "not known (XLA analyses no cost" in out
     kernels = ("jspec_attention_dkdv", "jspec_attention_dq", "jspec_attention_fwd")
     assert result.kernels == (*kernels, "jspec_decode_trunk"), result.kernels
 

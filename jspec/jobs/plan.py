@@ -376,12 +376,16 @@ def target(
     return f"{name} compile ({compiler} for {devices} {p.device_kind})"
 
 
-def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
+def moe_assumptions(
+    cfg: config_lib.Config, platform: str = "cpu", gpu_target: str | None = None
+) -> list[str]:
     """What the figures of a mixture of experts assume (`jspec.models.moe`); none for a dense
     model. The experts are split over `RULES["expert"]`, and each device receives into P times its
     own assignments (the worst case: every device routes all its tokens to it), which is how the
     routing stays dropless with static shapes. The note on the CPU's grouped matmuls, which copy
-    their rows per local expert, is left out of a TPU compile: its figures are the TPU's own."""
+    their rows per local expert, is left out of a TPU or GPU compile: its figures are the
+    compiler's own. A GPU compiled for from its description gets `lax.ragged_dot`: JAX's Mosaic
+    kernels, which a Hopper GPU runs, read the local GPU when they compile."""
     m = cfg.model
     if not m.num_experts:
         return []
@@ -393,6 +397,7 @@ def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
         if group > 1
         else "one device holds every expert, no exchange"
     )
+    mosaic = "a Hopper GPU runs JAX's Mosaic kernels, which compile only on one"
     copies = (
         "  temporaries are an upper estimate: the CPU's grouped matmuls copy their rows per local "
         f"expert ({local}x), a Hopper GPU's kernels do not"
@@ -403,6 +408,7 @@ def moe_assumptions(cfg: config_lib.Config, platform: str = "cpu") -> list[str]:
         f"{sum(m.sparse_layers)} of {m.num_layers} layers",
         f"  dropless, no capacity factor: {dispatch}",
         *([copies] if platform == "cpu" else []),
+        *([f"  grouped products as lax.ragged_dot: {mosaic}"] if gpu_target else []),
     ]
 
 
@@ -427,7 +433,7 @@ def report(
         [
             f"{target(p, math.prod(sizes.values()), topology, gpu_target)} of {cfg.name}",
             f"mesh {mesh}, {seq_len:,} tokens per training row, device memory {memory_gb:g} GB",
-            *moe_assumptions(cfg, p.platform),
+            *moe_assumptions(cfg, p.platform, gpu_target),
             "train step (GRPO + draft co-training, one update)",
             line("parameters (policy + draft)", p.parameters),
             line("optimizer state", p.optimizer),

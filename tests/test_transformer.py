@@ -273,13 +273,11 @@ def test_for_rollout_computes_what_the_model_computes(model, fns, dtype):
     assert model.unstacked is None
     layer, c = model.for_rollout().unstacked[2], CONFIG
     g = c.num_heads // c.num_kv_heads
-    assert layer.wq is None and layer.w_qkv.shape == (
-        c.hidden_size,
-        c.num_kv_heads,
-        g + 2,
-        c.head_dim,
-    )
-    assert layer.w_gate_up.shape == (c.hidden_size, 2, c.intermediate_size)
+    # Outputs first (`fuse_products`): q/k/v fused, gate and up stacked, wo and w_down transposed.
+    d, e, f = c.hidden_size, c.head_dim, c.intermediate_size
+    assert layer.wq is None and layer.w_qkv.shape == (c.num_kv_heads, g + 2, e, d)
+    assert layer.wo.shape == (d, c.num_heads, e)
+    assert layer.w_gate_up.shape == (2, f, d) and layer.w_down.shape == (d, f)
 
 
 # ---------------------------------------------------------------------------------------------

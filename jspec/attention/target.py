@@ -3,7 +3,7 @@
 That is this process's first device, except while a program is compiled ahead of time for other
 hardware: a CPU host that compiles a GPU program from a GPU's description (`jspec.jobs.plan
 --gpu-target`) wants the Pallas GPU kernels the GPU would run, which its own backend cannot run.
-`compiling_for(device)` says so for the code it wraps (its tracing and lowering).
+`compiling_for(mesh)` says so for the code it wraps (its tracing and lowering).
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ def platform() -> str | None:
 
 
 @contextlib.contextmanager
-def compiling_for(device):
-    """Within it, `device()` is `device` (a jax device, e.g. a compile-only one of a topology)."""
-    token = _DEVICE.set(device)
+def compiling_for(mesh: jax.sharding.Mesh):
+    """Within it, `device()` is the first of `mesh`'s devices (e.g. compile-only ones of a
+    topology), and `mesh` is jax's abstract mesh, whose device kind the Pallas GPU lowering reads
+    where the process has no such GPU."""
+    token = _DEVICE.set(mesh.devices.flat[0])
     try:
-        yield
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
     finally:
         _DEVICE.reset(token)

@@ -291,7 +291,7 @@ def train_step(cfg: config_lib.Config, networks, params, seq_len: int, rows: int
     step = make_train_step(
         networks, tx, trained, rl, cfg.rollout, num_sequences=rows * rl.sequences_per_row
     )
-    with attention_target.compiling_for(mesh.devices.flat[0]):
+    with attention_target.compiling_for(mesh):
         compiled = step.lower(state, batch).compile()
     return compiled, state, batch
 
@@ -314,7 +314,7 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
         key_type.shape, key_type.dtype, sharding=NamedSharding(networks.mesh, PartitionSpec())
     )
     args = (params, prompts, lengths, key)
-    with attention_target.compiling_for(networks.mesh.devices.flat[0]):
+    with attention_target.compiling_for(networks.mesh):
         return jax.jit(run).lower(*args).compile(), args
 
 

@@ -73,27 +73,35 @@ def apply_rope(x_BTHE: Array, cos_sin: tuple[Array, Array]) -> Array:
 
 
 def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None = "embed"):
-    """`layer` (a copy, changed in place) with wq, wk, wv replaced by w_qkv [D, K, G+2, E] (each KV
-    head's G query heads, then its k and v; `project_qkv` reads it) and, with `mlp`, w_gate and
-    w_up by w_gate_up [D, 2, F] (`swiglu` reads it). `constrain(x, logical axis names)` places
-    them; `input_axis` names the q/k/v products' input axis."""
+    """`layer` (a copy, changed in place) in the rollout's layout, every weight stored outputs
+    first: wq, wk, wv replaced by w_qkv [K, G+2, E, D] (each KV head's G query heads, then its k
+    and v; `project_qkv` reads it), wo as [D, H, E]; with `mlp`, w_gate and w_up by w_gate_up
+    [2, F, D] and w_down as [D, F] (`swiglu` reads them). Two products instead of five, and for a
+    matrix-vector product (a decode step at batch 1) one kernel that reduces each output's
+    contiguous row: with its inputs first, XLA's GPU compiler writes a small weight times its
+    input to memory before reducing it, a second weight's worth of traffic. `constrain(x,
+    logical axis names)` places the weights; `input_axis` names the q/k/v products' input axis."""
     wq_DHE, wk_DKE, wv_DKE = layer.wq[...], layer.wk[...], layer.wv[...]
     d, h, e = wq_DHE.shape
     k = wk_DKE.shape[1]
     q_DKGE = wq_DHE.reshape(d, k, h // k, e)
     qkv = jnp.concatenate([q_DKGE, wk_DKE[:, :, None], wv_DKE[:, :, None]], axis=2)
-    layer.w_qkv = nnx.Param(constrain(qkv, (input_axis, "kv_heads", None, "head_dim")))
+    qkv_KNED = jnp.transpose(qkv, (1, 2, 3, 0))
+    layer.w_qkv = nnx.Param(constrain(qkv_KNED, ("kv_heads", None, "head_dim", input_axis)))
     layer.wq = layer.wk = layer.wv = None
+    wo_DHE = jnp.transpose(layer.wo[...], (2, 0, 1))
+    layer.wo = nnx.Param(constrain(wo_DHE, ("embed", "heads", "head_dim")))
     if mlp:
-        gate_up = jnp.stack([layer.w_gate[...], layer.w_up[...]], axis=1)
-        layer.w_gate_up = nnx.Param(constrain(gate_up, ("embed", None, "mlp")))
+        gate_up_CFD = jnp.stack([layer.w_gate[...].T, layer.w_up[...].T])
+        layer.w_gate_up = nnx.Param(constrain(gate_up_CFD, (None, "mlp", "embed")))
         layer.w_gate = layer.w_up = None
+        layer.w_down = nnx.Param(constrain(layer.w_down[...].T, ("embed", "mlp")))
     return layer
 
 
 def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
     """Projections (`w_qkv`: see `project_qkv`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
-    output projection.
+    output projection (`wo` [H,E,D], or [D,H,E] beside a fused `w_qkv`: `fuse_products`).
 
     Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
     attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
@@ -104,30 +112,33 @@ def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm
         k_BTKE = rms_norm(k_BTKE, k_norm, eps)
     q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
     o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
-    return jnp.einsum("bthe,hed->btd", o_BTHE, wo), (k_BTKE, v_BTKE)
+    out = "bthe,hed->btd" if isinstance(w_qkv, tuple) else "bthe,dhe->btd"
+    return jnp.einsum(out, o_BTHE, wo), (k_BTKE, v_BTKE)
 
 
 def project_qkv(h_BTD, w_qkv):
     """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
-    fused [D, K, G+2, E] (`fuse_products`), query head h = KV head h // G."""
+    fused [K, G+2, E, D] (`fuse_products`), query head h = KV head h // G."""
     if isinstance(w_qkv, tuple):
         wq, wk, wv = w_qkv
         q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, wq)
         return q_BTHE, *(jnp.einsum("btd,dke->btke", h_BTD, w) for w in (wk, wv))
-    qkv = jnp.einsum("btd,dkne->btkne", h_BTD, w_qkv)
+    qkv = jnp.einsum("btd,kned->btkne", h_BTD, w_qkv)
     b, t, k, n, e = qkv.shape
     return qkv[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qkv[:, :, :, -2], qkv[:, :, :, -1]
 
 
 def swiglu(h_BTD, w_in, w_down):
-    """The SwiGLU MLP of Llama and Qwen; `w_in` is (w_gate, w_up) [D,F], or the two stacked
-    [D, 2, F] (`fuse_products`)."""
+    """The SwiGLU MLP of Llama and Qwen; `w_in` is (w_gate, w_up) [D,F] and `w_down` [F,D], or
+    the rollout's layout (`fuse_products`): the two stacked [2, F, D], and `w_down` [D,F]."""
     if isinstance(w_in, tuple):
         g_BTF, u_BTF = (jnp.einsum("btd,df->btf", h_BTD, w) for w in w_in)
+        down = "btf,fd->btd"
     else:
-        gu = jnp.einsum("btd,dcf->btcf", h_BTD, w_in)
+        gu = jnp.einsum("btd,cfd->btcf", h_BTD, w_in)
         g_BTF, u_BTF = gu[:, :, 0], gu[:, :, 1]
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(g_BTF) * u_BTF, w_down)
+        down = "btf,df->btd"
+    return jnp.einsum(down, jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
 def rollout_weights(weights, dtype):

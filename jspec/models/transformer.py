@@ -176,13 +176,14 @@ class Block(nnx.Module):
 
     def fused(self, constrain) -> Block:
         """A copy of this one-layer block (a slice of the stacks) with its input products fused,
-        for the rollout loop: q, k and v as one matrix [D, K, G+2, E] (each KV head's G query
+        for the rollout loop: q, k and v as one matrix [K, G+2, E, D] (each KV head's G query
         heads, then its k and v, so a mesh that splits the KV heads keeps every group whole), and
-        gate and up as one [D, 2, F]. A decode step reads the same bytes in two matrix products
-        instead of five: at batch 1 on the GPU, small products such as k and v ran far below the
-        memory bandwidth, while plain XLA with fused matrices streams the Qwen3-8B weights at 97%
-        of it. `constrain(x, logical axis names)` places the fused weights on a mesh, as the
-        unfused ones are (a KV head's group, a slice of the MLP width, on one device)."""
+        gate and up as one [2, F, D], every weight outputs first (`fuse_products` says why). A
+        decode step reads the same bytes in two matrix products instead of five: at batch 1 on
+        the GPU, small products such as k and v ran far below the memory bandwidth, while plain
+        XLA with fused matrices streams the Qwen3-8B weights at 97% of it. `constrain(x, logical
+        axis names)` places the fused weights on a mesh, as the unfused ones are (a KV head's
+        group, a slice of the MLP width, on one device)."""
         return fuse_products(nnx.merge(*nnx.split(self)), constrain, mlp=self.moe is None)
 
 

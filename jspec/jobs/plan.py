@@ -83,7 +83,7 @@ from jspec.jobs.plan_devices import (
     GB,
     GPU_TARGETS,
     TOPOLOGIES,
-    chips,
+    chip_count,
     count_mismatch,
     device_memory,
     gpu_target,
@@ -344,7 +344,7 @@ def plan(
         Figures.of(roll),
         devices[0].platform,
         devices[0].device_kind,
-        chips(devices),
+        chip_count(devices),
         tuple(sorted({k for c in (train, roll) for k in re.findall(r"jspec_\w+", c.as_text())})),
     )
 

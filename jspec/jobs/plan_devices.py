@@ -149,7 +149,7 @@ def is_gpu(device) -> bool:
     return device.platform in ("gpu", "cuda", "rocm")
 
 
-def chips(devices) -> int:
+def chip_count(devices) -> int:
     """Distinct chips: libtpu describes a TPU v4 chip as two devices (its two cores, one coords);
     a v5p, v5e or v6e chip is one device, and so is each CPU device."""
     return len({tuple(d.coords) if d.platform == "tpu" else d.id for d in devices})
@@ -187,7 +187,7 @@ def device_memory(
             f"--topology {topology}: no memory figure for chips of {kind!r} (known: "
             f"{', '.join(CHIP_GB)}); pass --memory GB per device."
         )
-    return CHIP_GB[kind] * chips(devices) / len(devices)
+    return CHIP_GB[kind] * chip_count(devices) / len(devices)
 
 
 def count_mismatch(sizes: dict, devices) -> str:
@@ -199,7 +199,7 @@ def count_mismatch(sizes: dict, devices) -> str:
             f"whose sizes multiply to {have}, or GPUs (--gpu-topology HOSTSxGPUS) that make {need}."
         )
     if devices and devices[0].platform == "tpu":
-        slice_ = hardware(have, chips(devices), devices[0].device_kind)
+        slice_ = hardware(have, chip_count(devices), devices[0].device_kind)
         return (
             f"mesh {sizes} has {need} positions, the TPU slice has {have} devices ({slice_}); "
             f"pass a --mesh whose sizes multiply to {have}, e.g. --mesh data={have}, or a "

@@ -4,14 +4,13 @@ decode loop's kernels, where a layer's weights are read once and never written. 
 CUDA plugin (`pip install -e '.[gpu]'`, there on the GPU machines); without it the tests skip
 and say so."""
 
-import importlib.util
-
 import pytest
 
 from jspec.bench import kernel_census
+from jspec.jobs import plan_devices
 
 pytestmark = pytest.mark.skipif(
-    not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
+    not plan_devices.has_cuda_plugin(),
     reason="jax's CUDA plugin (XLA's GPU compiler) is not installed: pip install -e '.[gpu]'",
 )
 # Small enough that XLA's GPU compiler turns each of a decode step's products into a reduction

@@ -358,7 +358,7 @@ def test_a_gpu_target_without_the_cuda_plugin_names_the_install(monkeypatch, pla
 
 
 needs_cuda_plugin = pytest.mark.skipif(
-    not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
+    not plan_devices.has_cuda_plugin(),
     reason="jax's CUDA plugin (XLA's GPU compiler) is not installed: pip install -e '.[gpu]'",
 )
 

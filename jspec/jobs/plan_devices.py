@@ -102,6 +102,11 @@ def gpu_topology_devices(name: str, description: str | None = None) -> list:
         ) from None
 
 
+def has_cuda_plugin() -> bool:
+    """Whether jax's CUDA plugin (XLA's GPU compiler) is installed, GPU or not."""
+    return any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
 def gpu_target(name: str) -> str:
     """The GPU description `name` gives (a name of GPU_TARGETS, or a file): a clear error where
     there is none, or where jax has no CUDA plugin to compile with."""
@@ -111,7 +116,7 @@ def gpu_target(name: str) -> str:
             f"--gpu-target {name}: no such GPU description; name one of "
             f"{', '.join(sorted(GPU_TARGETS))}, or give a GpuTargetConfigProto text file."
         )
-    if not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    if not has_cuda_plugin():
         raise ConfigError(
             f"--gpu-target {name}: compiling for a GPU needs jax's CUDA plugin (XLA's GPU "
             "compiler), which is not installed; pip install -e '.[gpu]' (no GPU is needed)."

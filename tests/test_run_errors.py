@@ -2,6 +2,9 @@
 changed, a time limit that saves and exits 75, and bad input answered in a line or two with exit
 status 2 (the table of docs/errors.md, run row by row)."""
 
+import asyncio
+import gc
+import logging
 import os
 import pathlib
 import re
@@ -9,12 +12,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 from helpers import LOOP
 
 from jspec.config import ConfigError
 from jspec.jobs import cli, train_rl, trainer
+from jspec.rl import checkpoints
 
 ERRORS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 QUIET = ["--quiet"]
@@ -178,3 +183,28 @@ def test_bad_input_gets_its_message_and_status_2(
 
 def test_the_table_covers_the_bad_inputs_tried():
     assert len(table_rows()) == 10
+
+
+def test_reports_of_a_failed_read_go_to_the_log(tmp_path, monkeypatch, capsys, caplog):
+    """What a failed read leaves behind, reported whenever the collector or a late callback runs:
+    asyncio's 'Future exception was never retrieved' and the unraisable 'Event loop is closed'.
+    Both go to the run's log, not the terminal; other reports still reach the terminal."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    asyncio_logger = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_logger, "filters", list(asyncio_logger.filters))
+    log = tmp_path / "checkpoints.log"
+    checkpoints._log_stray_callbacks(log)
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(ValueError('OUT_OF_RANGE: Error opening "zarr" driver'))
+    loop.close()
+    del future
+    gc.collect()
+    sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    asyncio_logger.error("another report")
+    shown = capsys.readouterr().err + caplog.text
+    assert "never retrieved" not in shown and "loop is closed" not in shown
+    assert "another report" in caplog.text
+    written = log.read_text()
+    assert "Future exception was never retrieved" in written and "OUT_OF_RANGE" in written
+    assert "Event loop is closed" in written

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -233,10 +234,16 @@ class Checkpoints:
 def _log_stray_callbacks(log: pathlib.Path) -> None:
     """After a failed read, TensorStore's callbacks still land, one per array, on the read's event
     loop, closed by then: Python reports each as an unraisable 'Event loop is closed' (thousands
-    of tracebacks in the terminal). Those go to `log`; any other unraisable error as before."""
+    of tracebacks in the terminal), and asyncio each failed read whose future is collected unread
+    ('Future exception was never retrieved', whenever the collector runs). Those go to `log`; any
+    other unraisable error or asyncio report as before."""
     default = sys.unraisablehook
     if getattr(default, "jspec_log", None) == log:
         return
+    asyncio_logger = logging.getLogger("asyncio")
+    for old in [f for f in asyncio_logger.filters if isinstance(f, _UnreadFailures)]:
+        asyncio_logger.removeFilter(old)
+    asyncio_logger.addFilter(_UnreadFailures(log))
 
     def hook(unraisable):
         if isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(
@@ -249,6 +256,21 @@ def _log_stray_callbacks(log: pathlib.Path) -> None:
 
     hook.jspec_log = log
     sys.unraisablehook = hook
+
+
+class _UnreadFailures(logging.Filter):
+    """asyncio's reports of a future's exception never retrieved, written to `log` instead."""
+
+    def __init__(self, log: pathlib.Path):
+        super().__init__()
+        self.log = log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in record.getMessage():
+            return True
+        with self.log.open("a") as f:
+            f.write(logging.Formatter().format(record) + "\n")
+        return False
 
 
 def _barrier(name: str) -> None:

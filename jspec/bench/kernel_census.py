@@ -21,7 +21,6 @@ import sys
 from typing import NamedTuple
 
 from jspec import config as config_lib
-from jspec import mesh as mesh_lib
 from jspec.jobs import cli, plan, plan_devices
 
 # A kernel writing this many elements or more inside a decode loop is reported: as large as a
@@ -76,17 +75,13 @@ def decode_loop(bodies: dict[str, list[Kernel]]) -> list[Kernel]:
 def compile_rollout(args) -> tuple[object, config_lib.Config]:
     """The rollout program of `args` (config, overrides, batch, prompt, draft) compiled for one
     GPU of `args.gpu_target`'s description, and its config."""
-    overrides = ["rollout.draft.kind=none", "rollout.temperature=0.0"] * (not args.draft)
-    given = argparse.Namespace(
-        config=args.config,
-        overrides=[*overrides, f"rollout.max_new_tokens={args.new}", *args.overrides],
-        mesh="data=1,stage=1,context=1,tensor=1",
-        seq_len=args.prompt + args.new,
-    )
-    cfg, _ = plan.plan_config(given)
+    plain = ["rollout.draft.kind=none", "rollout.temperature=0.0"] * (not args.draft)
+    overrides = [*plain, f"rollout.max_new_tokens={args.new}", *args.overrides]
     described = plan_devices.gpu_target(args.gpu_target)
-    devices = plan_devices.gpu_topology_devices("1x1", described)
-    networks, params = plan.abstract_networks(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    [device] = plan_devices.gpu_topology_devices("1x1", described)
+    cfg, networks, params = plan.on_one_device(
+        args.config, overrides, args.prompt + args.new, device
+    )
     compiled, _ = plan.rollout_step(cfg, networks, params, args.prompt, args.batch)
     return compiled, cfg
 

@@ -27,7 +27,6 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jspec import mesh as mesh_lib
 from jspec.jobs import cli, plan, plan_devices
 
 # name: (config, overrides, tokens per training row, training rows, rollout batch). The Qwen3-8B
@@ -59,10 +58,7 @@ def parse_args(argv=None):
 def compiled_program(case: str, program: str, devices):
     """(the compiled `program` of `case` for `devices`, its abstract arguments)."""
     name, overrides, seq_len, rows, batch = CASES[case]
-    one = "data=1,stage=1,context=1,tensor=1"
-    given = argparse.Namespace(config=name, overrides=list(overrides), mesh=one, seq_len=seq_len)
-    cfg, seq_len = plan.plan_config(given)
-    networks, params = plan.abstract_networks(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+    cfg, networks, params = plan.on_one_device(name, overrides, seq_len, devices[0])
     if program == "train":
         compiled, state, packed = plan.train_step(cfg, networks, params, seq_len, rows)
         return compiled, (state, packed)

@@ -222,6 +222,15 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
     return dataclasses.replace(cfg, mesh=mesh, model=model).validate(), seq_len
 
 
+def on_one_device(config: str, overrides, seq_len: int, device):
+    """(config, networks, abstract params) of `config` with `overrides`, rows of `seq_len` tokens,
+    on a mesh of the one `device`: what a benchmark compiles a single program of."""
+    one = "data=1,stage=1,context=1,tensor=1"
+    given = argparse.Namespace(config=config, overrides=list(overrides), mesh=one, seq_len=seq_len)
+    cfg, _ = plan_config(given)
+    return cfg, *abstract_networks(cfg, mesh_lib.make_mesh(cfg.mesh, [device]))
+
+
 def abstract_networks(cfg: config_lib.Config, mesh):
     """(Networks, abstract params) of the config's policy and draft: shapes, no values."""
     policy = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), mesh=mesh))

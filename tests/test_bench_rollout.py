@@ -1,16 +1,20 @@
 """The measuring parts of `jspec/bench/rollout.py`: which prompts each batch runs (a queue of
-distinct prompts), the speedup the costs predict, the naming of profiled kernels from an XLA dump
+distinct prompts), the speedup the costs predict, the draft's proposal loop for every kind of
+draft, the naming of profiled kernels from an XLA dump
 (`jspec/bench/kernel_profile.py`), and the greedy check of the rollout path (plain and a tree, even
 with `--no-spec`) against a step-by-step loop (`jspec/bench/greedy_check.py`)."""
 
 import argparse
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jspec.bench import greedy_check, kernel_profile
 from jspec.bench import rollout as bench_rollout
+from jspec.config import DraftConfig
+from jspec.models import draft_factory
 
 ARGS = argparse.Namespace(acceptance_rows=16, prompts_per_row=4, prompt_len=3)
 HLO = """HloModule jit__generate
@@ -41,6 +45,25 @@ def test_the_predicted_speedup_counts_the_loop_work_both_loops_pay():
     assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=1.5), 1.6)
     # with no loop work (the bare forward is the plain step) the prediction is the cost curve's
     assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=2.0), 2.4 / 1.25)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "block"])
+def test_the_draft_loop_proposes_as_generate_does_for_every_kind_of_draft(kind):
+    """The loop that times a draft's proposal runs each kind's (a block draft's chain comes from
+    one forward, not tree steps); at temperature 0 every trip proposes the same tree (the root
+    moves with the loop only to keep the proposal in it), of the target's token ids."""
+    args = bench_rollout.parse_args(
+        [*GREEDY_CHECK_ARGS.split(), "--new-tokens", "4", "--trees", "chain 4"]
+    )
+    target, _, prompts = bench_rollout.random_models(args, dtype="float32")
+    draft = draft_factory.from_config(DraftConfig(kind=kind), target)
+    prompts = jnp.asarray(prompts[:2])
+    lengths = jnp.full((2,), args.prompt_len, jnp.int32)
+    tree = bench_rollout.TREES["chain 4"]
+    run = bench_rollout.draft_loop(target, draft, prompts, lengths, tree, 32, args)
+    once, twice = np.asarray(run(jnp.int32(1))), np.asarray(run(jnp.int32(2)))
+    np.testing.assert_array_equal(twice, 2 * once)
+    assert ((once >= 0) & (once < target.config.vocab_size)).all()
 
 
 def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):

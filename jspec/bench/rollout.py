@@ -365,8 +365,8 @@ def verify_loop(graphdef, state, prompts, lengths, n: int, slots: int):
 
 def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, args):
     """`run(count)`: `count` proposals of `tree` by the draft from one prefilled root, in a jitted
-    loop, as `generate` drafts (the root's logits move with the loop, so nothing is hoisted): a
-    partial of the jitted loop."""
+    loop, as `generate` drafts (the root's token and logits move with the loop, so nothing is
+    hoisted): a partial of the jitted loop."""
     b = prompts.shape[0]
     config = rollout_config(tree, args.new_tokens, b, args)
 
@@ -382,7 +382,9 @@ def draft_loop(model, draft, prompts, lengths, tree: TreeConfig, slots: int, arg
 
         def body(i, acc):
             moved = root._replace(logits=root.logits + 0.0 * acc[:, None])
-            drafted = tree_proposal.propose(draft, shared, moved, jax.random.key(i), config)
+            token = root_token + (0.0 * acc).astype(jnp.int32)
+            key = jax.random.key(i)
+            drafted = tree_proposal.draft_tree(draft, shared, moved, token, key, config)
             return acc + drafted.tokens[:, 0].astype(jnp.float32)
 
         return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))

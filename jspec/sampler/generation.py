@@ -43,11 +43,10 @@ from jspec.models.block import BlockDraft
 from jspec.models.draft import Draft, DraftOut, Shared, check_target
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
-from jspec.sampler.block_proposal import propose_block
 from jspec.sampler.results import Rollout, RolloutStats
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
-from jspec.sampler.tree import Tree, branch_layout
-from jspec.sampler.tree_proposal import propose, tree_depth
+from jspec.sampler.tree import branch_layout
+from jspec.sampler.tree_proposal import draft_tree, tree_depth
 
 
 class Continued(NamedTuple):
@@ -452,13 +451,7 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     b, m = s.done.shape[0], s.tokens.shape[1]
     cache, root = s.rows.cache, s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
-    if draft is None:
-        empty = jnp.zeros((b, 0), jnp.int32)
-        tree = Tree(empty, empty, empty)
-    elif isinstance(draft, BlockDraft):
-        tree = propose_block(draft, shared, root, s.rows.draft.cache, tree_key, config)
-    else:
-        tree = propose(draft, shared, s.rows.draft, tree_key, config)
+    tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
     layout = branch_layout(tree, root, cache.length - 1)
     positions = cache.length[:, None] + layout.depth
     nodes = (layout.tokens, positions, layout.anchor, layout.parent)

@@ -1,6 +1,7 @@
 """The draft's token tree below the root: a chain, a static tree, EAGLE-2's dynamic tree or its
 sampled form, each level one `tree_step` of the draft (an EAGLE-3 head or an MTP module), drawn as
-`jspec.sampler.tree` builds it so that `verify` gets the very distributions its nodes came from."""
+`jspec.sampler.tree` builds it so that `verify` gets the very distributions its nodes came from.
+`draft_tree` is any draft's proposal (a block draft's: `jspec.sampler.block_proposal`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jspec.config import RolloutConfig, TreeConfig
+from jspec.models.block import BlockDraft
 from jspec.models.cache import TreeKV
 from jspec.models.draft import Draft, DraftOut, Shared
+from jspec.sampler.block_proposal import propose_block
 from jspec.sampler.tree import (
     StaticTree,
     Tree,
@@ -48,6 +51,25 @@ def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
         return (tree.depth - 1) * tree.top_k
     shape = _static_shape(tree)
     return sum(shape.expanded_at(d).size for d in range(1, int(shape.depth.max())))
+
+
+def draft_tree(
+    draft: Draft | BlockDraft | None,
+    shared: Shared,
+    state: DraftOut,
+    root: Int[Array, " b"],
+    key,
+    config: RolloutConfig,
+) -> Tree:
+    """The tree a verify step checks below each row's `root` token: none without a draft (plain
+    decoding), a block draft's chain from one forward over its context (`state.cache`), another
+    draft's tree grown a level at a time from its `state` at the root (`propose`)."""
+    if draft is None:
+        empty = jnp.zeros((root.shape[0], 0), jnp.int32)
+        return Tree(empty, empty, empty)
+    if isinstance(draft, BlockDraft):
+        return propose_block(draft, shared, root, state.cache, key, config)
+    return propose(draft, shared, state, key, config)
 
 
 def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutConfig) -> Tree:

@@ -126,6 +126,7 @@ def parse_args(argv=None):
         "their top kernels",
     )
     add_model_arguments(p)
+    cli.add_compilation_cache_argument(p)  # kinds of draft timed one after another share programs
     p.add_argument("--out", default="bench_rollout.json")
     args = p.parse_args(argv)
     args.trees = args.trees or list(default_trees(args))
@@ -486,6 +487,7 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
+    cli.use_compilation_cache(args.compilation_cache)
     models = trained if args.trained else random_models
     if args.check_greedy:
         trees = {name: TREES[name] for name in args.trees}  # `--no-spec` or not

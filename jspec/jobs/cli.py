@@ -86,6 +86,17 @@ def messengers(quiet: bool):
     return say, (lambda _: None) if quiet else say
 
 
+def add_compilation_cache_argument(parser) -> None:
+    """`--compilation-cache DIR`: XLA's persistent cache, runs/.jax_cache by default, which the
+    jobs and benchmarks share, so that a program compiled once (a resumed run's, a benchmark's
+    plain loop timed again beside another draft) is not compiled again."""
+    parser.add_argument(
+        "--compilation-cache",
+        default=str(pathlib.Path("runs") / ".jax_cache"),
+        help="persistent XLA compilation cache: a program compiled before is read back ('' off)",
+    )
+
+
 def use_compilation_cache(directory: str | None) -> None:
     """Compiled programs kept in `directory` (none: jax's default) for the next run."""
     if directory:

@@ -86,11 +86,7 @@ def parse_args(argv=None):
         "that completes exports itself)",
     )
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
-    p.add_argument(
-        "--compilation-cache",
-        default=str(pathlib.Path("runs") / ".jax_cache"),
-        help="persistent XLA compilation cache: a resumed run does not compile again ('' off)",
-    )
+    cli.add_compilation_cache_argument(p)
     return p.parse_intermixed_args(argv)
 
 

@@ -1,0 +1,146 @@
+"""The policy's training throughput at a shape: one forward and backward of the model over packed
+rows (next-token cross-entropy, `jit(grad)`), timed, and its model FLOPs over the time against
+the GPU's matmul ceiling (model FLOP utilization).
+
+    python -m jspec.bench.policy_step --config qwen3-8b model.num_layers=8 --tokens 8192
+    python -m jspec.bench.policy_step --config code-1b --tokens 8192 32768 model.remat=none
+    python -m jspec.bench.policy_step --device cpu --config tiny --tokens 256 --documents 2
+
+Model FLOPs (`model_flops`) count what the model must compute, three times its forward: every
+product (attention's projections, the MLP, or a mixture's routed experts and router, the LM head)
+and attention over the pairs a query sees (causal within its document); not the norms, the
+embedding lookup, remat's recomputation or padding. Rows: `--tokens` a row, `--documents` equal
+documents each (a packed training row), `--rows` rows. Random weights in the config's dtypes.
+Prints a Markdown table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jspec import config as config_lib
+from jspec.bench.attention import visible_pairs
+from jspec.bench.timing import time_compiled
+from jspec.config import ConfigError, ModelConfig
+from jspec.jobs import cli
+from jspec.models import create
+from jspec.rl import grpo
+
+MATMUL_CEILING = 801e12  # bf16 FLOP/s of dense products measured on one H200 (BENCHMARKS.md)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted config overrides")
+    p.add_argument("--config", default="code-1b")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens a row")
+    p.add_argument("--documents", type=int, default=4, help="equal documents packed in a row")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--ceiling", type=float, default=MATMUL_CEILING, help="matmul FLOP/s")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_policy_step.json"))
+    args = p.parse_intermixed_args(argv)
+    for t in args.tokens:
+        if t % args.documents:
+            raise ConfigError(
+                f"--tokens {t} is not a multiple of --documents {args.documents}: a row holds "
+                f"equal documents; pick tokens divisible by it."
+            )
+    return args
+
+
+def model_flops(cfg: ModelConfig, segment_ids: np.ndarray, positions: np.ndarray) -> float:
+    """FLOPs of one forward and backward of the policy over these packed rows: three times the
+    forward's products and attention (module docstring)."""
+    h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    projections = 2 * h * (heads + 2 * cfg.num_kv_heads) * d + 2 * heads * d * h
+    dense = 6 * h * cfg.intermediate_size
+    routed = 6 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2 * h * cfg.num_experts
+    mlps = sum(routed if sparse else dense for sparse in cfg.sparse_layers)
+    per_token = cfg.num_layers * projections + mlps + 2 * h * cfg.vocab_size
+    tokens = int((segment_ids > 0).sum())
+    attention = cfg.num_layers * visible_pairs(segment_ids, positions, 0) * 4 * heads * d
+    return 3.0 * (tokens * per_token + attention)
+
+
+def packed_rows(cfg: ModelConfig, rows: int, tokens: int, documents: int):
+    """Random tokens in `rows` rows of `documents` equal documents: tokens, segment ids,
+    positions, [rows, tokens] each."""
+    per_doc = tokens // documents
+    segment_ids = np.repeat(np.arange(1, documents + 1, dtype=np.int32), per_doc)
+    positions = np.tile(np.arange(per_doc, dtype=np.int32), documents)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, tokens), dtype=np.int32)
+    return ids, *(np.broadcast_to(x, (rows, tokens)) for x in (segment_ids, positions))
+
+
+def gradient_fn(graphdef):
+    """params, tokens, segment ids, positions -> the gradient of the mean next-token
+    cross-entropy (a document's first token predicts nothing)."""
+
+    def loss(params, tokens, segment_ids, positions):
+        logits = nnx.merge(graphdef, params)(tokens, segment_ids, positions)
+        logp = grpo.token_logprobs(logits, tokens, 1.0)
+        predicted = (positions > 0) & (segment_ids > 0)
+        return -jnp.sum(jnp.where(predicted, logp, 0.0)) / jnp.maximum(predicted.sum(), 1)
+
+    return jax.grad(loss)
+
+
+def measure(cfg: ModelConfig, params, graphdef, tokens: int, args) -> dict:
+    """One row of the table: the step's time, model FLOPs and utilization, and the compiled
+    program's temporaries."""
+    ids, seg, pos = packed_rows(cfg, args.rows, tokens, args.documents)
+    inputs = (params, *map(jnp.asarray, (ids, seg, pos)))
+    timed = time_compiled(gradient_fn(graphdef), inputs, args.iters)
+    flops = model_flops(cfg, seg, pos)
+    memory = timed.compiled.memory_analysis()
+    temp = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
+    return dict(
+        tokens=tokens,
+        rows=args.rows,
+        ms=timed.ms,
+        model_tflop=flops / 1e12,
+        tflop_per_s=flops / (timed.ms / 1e3) / 1e12,
+        of_ceiling=flops / (timed.ms / 1e3) / args.ceiling,
+        temp_gb=temp / 1e9,
+        compile_s=timed.compile_s,
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "gpu" and jax.devices()[0].platform != "gpu":
+        platform = jax.devices()[0].platform
+        raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
+    cfg = config_lib.load(args.config, args.overrides).model
+    graphdef, params = nnx.split(create(cfg))
+    count = sum(x.size for x in jax.tree.leaves(params))
+    print(
+        f"{args.config}: {count / 1e9:.2f}B parameters ({cfg.param_dtype}), {cfg.dtype} "
+        f"compute, remat={cfg.remat}, {cfg.num_layers} layers"
+    )
+    rows = [measure(cfg, params, graphdef, t, args) for t in args.tokens]
+    print(
+        "| tokens a row | rows | forward + backward | model TFLOP | TFLOP/s | of ceiling | "
+        "temporaries |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    for r in rows:
+        print(
+            f"| {r['tokens']:,} | {r['rows']} | {r['ms']:.1f} ms | {r['model_tflop']:.2f} | "
+            f"{r['tflop_per_s']:.1f} | {100 * r['of_ceiling']:.0f}% | {r['temp_gb']:.2f} GB |"
+        )
+    summary = dict(config=args.config, overrides=args.overrides, parameters=count)
+    args.out.write_text(json.dumps({**summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.bench import greedy_check, kernel_profile
+from jspec.bench import greedy_check, kernel_census, kernel_profile
 from jspec.bench import rollout as bench_rollout
 from jspec.config import DraftConfig
 from jspec.models import draft_factory
@@ -82,6 +82,32 @@ def test_profiled_kernels_are_named_by_their_hlo(tmp_path, monkeypatch):
 # 3 layers (3 taps): quick compiles. One tree, timed or not (`--no-spec`): the trees' greedy
 # identity in general is `test_generate`'s.
 GREEDY_CHECK_ARGS = "--device cpu --config tiny --prompt-len 12 model.num_layers=3 --no-spec"
+
+
+LOOP_HLO = """HloModule jit_run
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %a = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add.3
+  %b = (f32[8,4]{1,0}, f32[8]{0}) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
+  %c = (f32[8]{0}, bf16[8,2]{1,0}) fusion(%b), kind=kInput, calls=%fused_reduce.1
+  %d = f32[8]{0} get-tuple-element(%c), index=0
+}
+
+ENTRY %main {
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_the_census_counts_every_kernel_of_a_loop_body_those_of_several_outputs_too():
+    """`jspec/bench/kernel_census.py` reads the compiled program's text: a kernel of several
+    outputs (a Pallas call's, a multi-output fusion) has a tuple type and counts as one kernel,
+    written as large as its first output."""
+    (body,) = kernel_census.loop_bodies(LOOP_HLO).values()
+    assert [(k.op, k.name, k.elements) for k in body] == [
+        ("fusion", "fused_add", 8),
+        ("custom-call", "__gpu$xla.gpu.triton", 32),
+        ("fusion", "fused_reduce", 8),
+    ]
 
 
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch, capsys):

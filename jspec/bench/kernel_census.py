@@ -49,13 +49,19 @@ def loop_bodies(compiled_text: str) -> dict[str, list[Kernel]]:
     return bodies
 
 
+# An instruction that launches a kernel: `%name = TYPE fusion(` or `custom-call(`, TYPE one
+# array's or, for a kernel of several outputs, a tuple of them.
+_LAUNCH = re.compile(r"= (?:\([^=]*\)|\S+) (fusion|custom-call)\(")
+
+
 def _is_kernel(line: str) -> bool:
-    return re.search(r"= \S+ (fusion|custom-call)\(", line) is not None
+    return _LAUNCH.search(line) is not None
 
 
 def _kernel(line: str) -> Kernel:
+    """The kernel of an instruction: its first output's elements stand for what it writes."""
     dims = re.search(r"= \(?\w+\[([\d,]*)\]", line)[1]
-    op = re.search(r"= \S+ (fusion|custom-call)\(", line)[1]
+    op = _LAUNCH.search(line)[1]
     called = re.search(r'calls=%?([\w.\-]+)|custom_call_target="([^"]+)"', line)
     name = re.sub(r"[._]\d+(_computation)?$", "", called[1] or called[2]) if called else op
     jax_op = re.search(r'op_name="([^"]*)"', line)

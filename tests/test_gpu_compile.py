@@ -1,13 +1,17 @@
-"""What XLA's GPU compiler makes of the rollout, compiled on this CPU for an H200 from its
+"""What XLA's GPU compiler makes of jspec's programs, compiled on this CPU for H200s from their
 description (`jspec.bench.kernel_census`, as `jspec.jobs.plan --gpu-target` compiles): the
-decode loop's kernels, where a layer's weights are read once and never written. Needs jax's
+decode loop's kernels, where a layer's weights are read once and never written; a pipeline's
+attention kernels, run inside its stages. Needs jax's
 CUDA plugin (`pip install -e '.[gpu]'`, there on the GPU machines); without it the tests skip
 and say so."""
+
+import re
 
 import pytest
 
 from jspec.bench import kernel_census
-from jspec.jobs import plan_devices
+from jspec.jobs import plan, plan_devices
+from jspec.mesh import make_mesh
 
 pytestmark = pytest.mark.skipif(
     not plan_devices.has_cuda_plugin(),
@@ -41,3 +45,20 @@ def test_the_census_prints_its_table(capsys, tmp_path):
     assert printed.startswith("tiny, batch 1, plain decoding, for h200:\n")
     assert "a layer:" in printed and "writes of 1,048,576 elements or more: none" in printed
     assert out.exists()
+
+
+def test_a_pipeline_runs_the_attention_kernels_inside_its_stages():
+    """Two stages on two H200s: the train step calls the Pallas attention kernels (forward,
+    dK/dV, dQ) inside the stages' vmap, each device on its own stage's microbatch, and gathers
+    nothing (the stage's attention is a shard_map that the vmap over the stage axis splits)."""
+    argv = ["--config", "tiny", "--seq-len", "128", "rollout.max_new_tokens=16"]
+    argv += ["model.num_layers=4", "pipeline.stages=2", "pipeline.microbatches=2"]
+    cfg, seq_len = plan.plan_config(plan.parse_args([*argv, "--mesh", "data=1,stage=2"]))
+    devices = plan_devices.gpu_topology_devices("1x2", plan_devices.gpu_target("h200"))
+    networks, params = plan.abstract_networks(cfg, make_mesh(cfg.mesh, devices))
+    compiled, _, _ = plan.train_step(cfg, networks, params, seq_len, rows=2)
+    text = compiled.as_text()
+    in_stages = [line for line in text.splitlines() if "/vmap(" in line and "pallas_call" in line]
+    kernels = set(re.findall(r"jspec_attention_\w+", "\n".join(in_stages)))
+    assert kernels == {"jspec_attention_fwd", "jspec_attention_dkdv", "jspec_attention_dq"}
+    assert "collective-permute" in text and "all-gather" not in text

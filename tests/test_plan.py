@@ -21,10 +21,13 @@ import time
 
 import jax
 import pytest
+from flax import nnx
 
 from jspec import config as config_lib
 from jspec.bench import plan_check
 from jspec.jobs import plan, plan_devices
+from jspec.mesh import make_mesh
+from jspec.models.transformer import Transformer
 
 SMALL = [
     "model.vocab_size=512",
@@ -118,10 +121,9 @@ def test_activation_figure_is_the_measured_peak_of_a_cpu_run():
 
 
 def test_mesh_flag_names_the_bad_item():
-    mesh = config_lib.MeshConfig()
-    assert plan.mesh_sizes("data=2,tensor=4", mesh) == config_lib.MeshConfig(data=2, tensor=4)
+    assert plan.mesh_overrides("data=2,tensor=4") == ["mesh.data=2", "mesh.tensor=4"]
     with pytest.raises(config_lib.ConfigError, match=r"--mesh item 'pipe=2'"):
-        plan.mesh_sizes("data=2,pipe=2", mesh)
+        plan.mesh_overrides("data=2,pipe=2")
 
 
 def test_a_mesh_left_to_the_devices_is_refused():
@@ -172,6 +174,26 @@ def test_readme_shows_the_report_the_planner_prints(capsys, planner_env):
     ]
     for a, b in zip(figures(got), figures(printed), strict=True):
         assert abs(a - b) <= 0.1 * max(abs(b), 1e-9), (a, b, got)
+
+
+def test_a_pipelined_config_is_planned_as_its_pipeline(planner_env):
+    """With pipeline.stages > 1 the planner builds the pipelined policy train_rl runs
+    (`jspec.pipeline`): a device holds its stage's layers only (the unpipelined plan's parameters
+    less half the layer stack), and the train step passes the stage buffer on by
+    collective-permute."""
+    argv = ["--config", "tiny", "--seq-len", "128", "rollout.max_new_tokens=16"]
+    argv += ["model.num_layers=4", "rl.loss_chunk=128"]
+    flat = plan.main([*argv, "--mesh", "data=2,stage=1,context=1,tensor=1"])
+    staged = ["pipeline.stages=2", "pipeline.microbatches=2"]
+    staged += ["--mesh", "data=1,stage=2,context=1,tensor=1", "--rows", "2"]
+    piped = plan.main([*argv, *staged])
+    cfg, seq_len = plan.plan_config(plan.parse_args([*argv, *staged]))
+    policy = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(policy.layers)))
+    assert flat.parameters - piped.parameters == layers // 2
+    networks, params = plan.abstract_networks(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+    compiled, _, _ = plan.train_step(cfg, networks, params, seq_len, rows=2)
+    assert "collective-permute" in compiled.as_text()
 
 
 def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env):

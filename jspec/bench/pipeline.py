@@ -12,9 +12,9 @@ fraction 1 - t1 / (S * t): t1 is the unpipelined policy's step on one device for
 (on virtual CPU devices, which share the host's cores, that measure means little). The mesh is
 `--data` x stages devices. Prints a table and writes JSON to `--json`.
 
-`--attention xla` (the default on gpu) keeps attention off the Pallas kernel: a Pallas call has no
-SPMD partitioning rule, so inside the pipeline's vmap over the stage axis XLA would gather every
-stage's attention inputs and run it whole on each device.
+Attention runs in the Pallas kernels inside the stages (`impl='auto'`: the model's attention is a
+`shard_map`, which the vmap over the stage axis splits, so each device calls the kernels on its own
+stage's microbatch: tests/test_gpu_compile.py); `--attention xla` takes XLA's blocks instead.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, nargs="+", default=None)
     p.add_argument("--data", type=int, default=1, help="size of the mesh's data axis")
-    p.add_argument("--attention", choices=("auto", "xla"), default=None, help="see above")
+    p.add_argument("--attention", choices=("auto", "xla"), default="auto", help="see above")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default="runs/bench_pipeline/results.json")
     args = p.parse_args(argv)
@@ -57,7 +57,6 @@ def parse_args(argv=None):
     args.stages = args.stages or stages
     args.microbatches = args.microbatches or micro
     args.repeats = args.repeats or repeats
-    args.attention = args.attention or ("xla" if args.device == "gpu" else "auto")
     return args
 
 

@@ -92,6 +92,7 @@ from jspec.jobs.plan_devices import (
 )
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft
 from jspec.models.transformer import Transformer
+from jspec.pipeline.model import PipelinedTransformer
 from jspec.rl.packing import PackedBatch
 from jspec.rl.state import Networks, TrainState, moment_shardings, optimizer, trained_groups
 from jspec.rl.train import make_train_step
@@ -186,26 +187,26 @@ class Plan(NamedTuple):
     kernels: tuple[str, ...]  # jspec's Pallas kernels in the compiled programs
 
 
-def mesh_sizes(text: str | None, default: config_lib.MeshConfig) -> config_lib.MeshConfig:
-    """`data=8,tensor=8` over the config's mesh (the axes not named keep their value)."""
-    if not text:
-        return default
-    sizes = {}
-    for item in text.split(","):
+def mesh_overrides(text: str | None) -> list[str]:
+    """`data=8,tensor=8` as the config overrides `mesh.data=8`, `mesh.tensor=8` (the axes not
+    named keep the config's value), applied with the others so that the config is checked
+    against the mesh planned (a pipeline's stages against its stage axis)."""
+    overrides = []
+    for item in text.split(",") if text else ():
         name, _, value = item.partition("=")
         if name.strip() not in ("data", "stage", "context", "tensor") or not value.isdigit():
             raise ConfigError(
                 f"--mesh item {item!r}: write axis=size for axes data, stage, context, tensor, "
                 "e.g. --mesh data=8,context=1,tensor=8."
             )
-        sizes[name.strip()] = int(value)
-    return dataclasses.replace(default, **sizes)
+        overrides.append(f"mesh.{name.strip()}={int(value)}")
+    return overrides
 
 
 def plan_config(args) -> tuple[config_lib.Config, int]:
     """The config to plan (mesh from --mesh, max_seq_len raised to --seq-len) and its seq len."""
-    cfg = config_lib.load(args.config, args.overrides)
-    mesh = mesh_sizes(args.mesh, cfg.mesh)
+    cfg = config_lib.load(args.config, [*args.overrides, *mesh_overrides(args.mesh)])
+    mesh = cfg.mesh
     if -1 in dataclasses.astuple(mesh):
         raise ConfigError(
             f"mesh {mesh} has an axis of -1 ('the devices left over'); the planner needs every "
@@ -232,8 +233,13 @@ def on_one_device(config: str, overrides, seq_len: int, device):
 
 
 def abstract_networks(cfg: config_lib.Config, mesh):
-    """(Networks, abstract params) of the config's policy and draft: shapes, no values."""
-    policy = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), mesh=mesh))
+    """(Networks, abstract params) of the config's policy (pipelined over the stage axis when
+    `pipeline.stages` > 1, as train_rl builds it) and draft: shapes, no values."""
+    if cfg.pipeline.stages > 1:
+        make = lambda: PipelinedTransformer(cfg.model, cfg.pipeline, rngs=nnx.Rngs(0), mesh=mesh)
+    else:
+        make = lambda: Transformer(cfg.model, rngs=nnx.Rngs(0), mesh=mesh)
+    policy = nnx.eval_shape(make)
     d = cfg.rollout.draft
     if d.path is not None:
         raise ConfigError(

@@ -206,10 +206,9 @@ def mesh_overrides(text: str | None) -> list[str]:
 def plan_config(args) -> tuple[config_lib.Config, int]:
     """The config to plan (mesh from --mesh, max_seq_len raised to --seq-len) and its seq len."""
     cfg = config_lib.load(args.config, [*args.overrides, *mesh_overrides(args.mesh)])
-    mesh = cfg.mesh
-    if -1 in dataclasses.astuple(mesh):
+    if -1 in dataclasses.astuple(cfg.mesh):
         raise ConfigError(
-            f"mesh {mesh} has an axis of -1 ('the devices left over'); the planner needs every "
+            f"mesh {cfg.mesh} has an axis of -1 ('the devices left over'); the planner needs every "
             "size: pass --mesh data=..,stage=..,context=..,tensor=.. ."
         )
     seq_len = args.seq_len or cfg.model.max_seq_len
@@ -220,7 +219,7 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
             "tokens: raise --seq-len or lower rollout.max_new_tokens."
         )
     model = dataclasses.replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))
-    return dataclasses.replace(cfg, mesh=mesh, model=model).validate(), seq_len
+    return dataclasses.replace(cfg, model=model).validate(), seq_len
 
 
 def on_one_device(config: str, overrides, seq_len: int, device):

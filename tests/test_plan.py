@@ -185,7 +185,7 @@ def test_a_pipelined_config_is_planned_as_its_pipeline(planner_env):
     argv += ["model.num_layers=4", "rl.loss_chunk=128"]
     flat = plan.main([*argv, "--mesh", "data=2,stage=1,context=1,tensor=1"])
     staged = ["pipeline.stages=2", "pipeline.microbatches=2"]
-    staged += ["--mesh", "data=1,stage=2,context=1,tensor=1", "--rows", "2"]
+    staged += ["--mesh", "data=1,stage=2,context=1,tensor=1"]  # rows: one a microbatch
     piped = plan.main([*argv, *staged])
     cfg, seq_len = plan.plan_config(plan.parse_args([*argv, *staged]))
     policy = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))

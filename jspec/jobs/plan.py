@@ -105,7 +105,12 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--mesh", default=None, help="e.g. data=8,stage=1,context=1,tensor=8")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training row")
-    p.add_argument("--rows", type=int, default=None, help="training rows (default: mesh.data)")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="training rows (default: mesh.data, times pipeline.microbatches: one row each)",
+    )
     p.add_argument("--rollout-batch", type=int, default=None, help="default: data * context")
     p.add_argument(
         "--memory",
@@ -346,7 +351,7 @@ def plan(
         raise ConfigError(count_mismatch(sizes, devices))
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     networks, params = abstract_networks(cfg, mesh)
-    rows = rows or sizes["data"]
+    rows = rows or sizes["data"] * cfg.pipeline.microbatches
     train, state, _ = train_step(cfg, networks, params, seq_len, rows)
     new_tokens = cfg.rollout.max_new_tokens
     decode = rollout_batch or sizes["data"] * sizes["context"]

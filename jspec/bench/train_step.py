@@ -26,13 +26,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.bench.policy_step import MATMUL_CEILING, model_flops
 from jspec.jobs import cli, train_rl
 from jspec.rl.state import init_state, trained_groups
+from jspec.rl.train import apply_gradients
 
 
 def parse_args(argv=None):
@@ -77,11 +77,8 @@ def optimizer_update(tx, trained):
     """state -> state after one update of `tx` from gradients of ones: the step's optimizer part."""
 
     def update(state):
-        trainable = {k: state.params[k] for k in trained}
-        grads = jax.tree.map(jnp.ones_like, trainable)
-        updates, opt_state = tx.update(grads, state.opt_state, trainable)
-        params = {**state.params, **optax.apply_updates(trainable, updates)}
-        return state._replace(params=params, opt_state=opt_state)
+        grads = jax.tree.map(jnp.ones_like, {k: state.params[k] for k in trained})
+        return apply_gradients(tx, state, grads)
 
     return jax.jit(update, donate_argnums=0)
 

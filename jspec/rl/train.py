@@ -93,6 +93,15 @@ def make_loss(
     return losses
 
 
+def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
+    """One update by `tx` of the parameter groups `grads` holds (the trained ones), the step
+    counted."""
+    trainable = {k: state.params[k] for k in grads}
+    updates, opt_state = tx.update(grads, state.opt_state, trainable)
+    params = {**state.params, **optax.apply_updates(trainable, updates)}
+    return state._replace(params=params, opt_state=opt_state, step=state.step + 1)
+
+
 def make_train_step(
     networks: Networks,
     tx: optax.GradientTransformation,
@@ -112,14 +121,9 @@ def make_train_step(
         trainable = {k: state.params[k] for k in trained}
         fixed = {k: v for k, v in state.params.items() if k not in trained}
         grads, metrics = jax.grad(losses, has_aux=True)(trainable, fixed, state.reference, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, trainable)
-        new = optax.apply_updates(trainable, updates)
         for name, g in grads.items():
             metrics[f"{name}_grad_norm"] = optax.tree.norm(g)
-        state = state._replace(
-            params={**state.params, **new}, opt_state=opt_state, step=state.step + 1
-        )
-        return state, metrics
+        return apply_gradients(tx, state, grads), metrics
 
     compiled = {}
 

@@ -20,6 +20,7 @@ from jspec.attention import (
     blocks,
     context_parallel_attention,
     decode,
+    masks,
     pallas_decode,
     pallas_tpu,
     pallas_tpu_decode,
@@ -389,6 +390,26 @@ def test_ring_decode_queries(cp):
     got = ring(q, k, v, seg, pos)  # natural order: any order of the keys gives the same output
     want = reference_attention(q, k, v, seg, pos, q_segment_ids=q_seg, q_positions=q_pos)
     assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
+def test_ancestor_mask_matches_walking_up_each_node(n):
+    """Random forests whose nodes come in any order (a parent may follow its child)."""
+    rng = np.random.default_rng(n)
+    parents = []
+    for _ in range(4):
+        order = rng.permutation(n)  # node order[i]'s parent is one of order[:i], or none
+        parent = np.full(n, -1)
+        for i in range(1, n):
+            parent[order[i]] = order[rng.integers(0, i)] if rng.random() < 0.8 else -1
+        parents.append(parent)
+    want = np.zeros((4, n, n), bool)
+    for b, parent in enumerate(parents):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[b, i, j], j = True, parent[j]
+    np.testing.assert_array_equal(masks.ancestor_mask(jnp.asarray(np.stack(parents))), want)
 
 
 def test_zigzag_roundtrip_and_balance():

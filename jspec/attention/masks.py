@@ -28,10 +28,17 @@ def anchor_segments(
 
 
 def ancestor_mask(parent: Int[Array, "b n"]) -> Bool[Array, "b n n"]:
-    """mask[b, i, j]: node j is node i or one of its ancestors. Dense: for small trees and tests."""
+    """mask[b, i, j]: node j is node i or one of its ancestors. Dense: for small trees and tests.
+
+    By pointer jumping: after round r, row i holds i's ancestors up to 2**r levels up and `up`
+    i's ancestor 2**r levels up, so log2(N) rounds of row gathers suffice (XLA makes them one or
+    two kernels; squaring the matrix takes a product and a conversion a round)."""
     n = parent.shape[1]
-    eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), parent.shape + (n,))
-    reach = eye | jax.nn.one_hot(parent, n, dtype=bool)  # -1 gives a zero row
-    for _ in range(max(n - 1, 1).bit_length()):  # each squaring doubles the path length covered
-        reach = jnp.einsum("bik,bkj->bij", reach.astype(jnp.float32), reach.astype(jnp.float32)) > 0
+    reach = jnp.eye(n, dtype=bool) | (parent[..., None] == jnp.arange(n))  # -1 matches nothing
+    rows = jax.vmap(lambda x, i: x[i])  # rows[b, i] = x[b, index[b, i]]
+    up = parent
+    for _ in range(max(n - 1, 1).bit_length()):
+        has_up = up >= 0
+        reach = reach | (rows(reach, jnp.maximum(up, 0)) & has_up[..., None])
+        up = jnp.where(has_up, rows(up, jnp.maximum(up, 0)), -1)
     return reach

@@ -177,7 +177,7 @@ def emitted_codes(
     verdict = verify(
         verify_key,
         tokens,
-        tree.parents,
+        tree.known_parents,  # as `Tree.verify` gives them: a chain's walk takes no loop
         models.target_logits(tree.parents, tree.depth, tokens),
         tree.draft_probs,
         **sampling,
@@ -461,6 +461,34 @@ def test_point_mass_walk_at_once_equals_the_walk_one_node_at_a_time():
         assert num[row] == len(want)
         np.testing.assert_allclose(p_next[row], p_want, rtol=1e-5, atol=1e-6)
     assert lengths[: n + 1] == list(range(n + 1)) and min(lengths[n + 1 :]) == 0
+
+
+@pytest.mark.parametrize("without_replacement", [False, True])
+def test_sampled_chain_walk_at_once_equals_the_walk_one_node_at_a_time(without_replacement):
+    """Chains whose draws fail at every depth (or nowhere), with padding nodes at their ends and
+    tokens the draft gave no mass: the same path and the same next-token distribution as the walk
+    of any tree, and `verify` takes it (no loop) when the parents are known while tracing."""
+    b, n = 2000, 6
+    rng = np.random.default_rng(12)
+    parents = np.broadcast_to(np.arange(-1, n - 1, dtype=np.int32), (b, n))
+    tokens = rng.integers(0, V, (b, n)).astype(np.int32)
+    tokens[rng.random(b) < 0.3, rng.integers(1, n)] = -1
+    tokens = np.where(np.cumsum(tokens < 0, axis=1) > 0, -1, tokens)  # padding to the end
+    p_all = rng.dirichlet(np.full(V, 0.5), (b, n + 1)).astype(np.float32)
+    q_all = rng.dirichlet(np.full(V, 0.5), (b, n + 1)).astype(np.float32)
+    q_all[rng.random((b, n + 1)) < 0.1, 0] = 0.0  # where a draft gives a token no mass
+    u = rng.random((b, n), np.float32)
+    args = tuple(map(jnp.asarray, (u, tokens, parents, p_all, q_all)))
+    got = acceptance._walk_chain(*args[:2], *args[3:], without_replacement)
+    want = acceptance._walk_sampled(*args, without_replacement)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    assert set(np.asarray(got[1]).tolist()) == set(range(n + 1))
+    run = lambda u_key, tokens, probs: verify(
+        u_key, tokens, parents, np.log(p_all), probs, without_replacement=without_replacement
+    )
+    jaxpr = str(jax.make_jaxpr(run)(jax.random.key(0), tokens, q_all))
+    assert not {"scan", "while"} & set(re.findall(r"\b\w+\b", jaxpr))  # one node a step: a scan
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])

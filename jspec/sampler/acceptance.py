@@ -20,7 +20,10 @@ The rules, one function each:
   unchanged (SpecInfer multi-step speculative sampling); siblings drawn without replacement, in
   index order, take x out of q and renormalise (recursive rejection sampling without replacement,
   SpecTr / Jeon et al. 2024: no sibling repeats a rejected token). Each residual depends on the one
-  before, so this walk costs N steps of O(V) (`_walk_sampled`).
+  before, so this walk costs N steps of O(V) (`_walk_sampled`). A chain has no siblings: every
+  node is tested against the distributions at its parent as they came, so its tests are drawn at
+  once and only the first rejection's residual is computed (`_walk_chain`), when the parents are
+  known while tracing (`jspec.sampler.tree.build_static_tree` gives them so).
 - the next token is drawn from p as it stands at the last accepted node: the target itself (a
   bonus token) if no child there was rejected, the residual otherwise.
 """
@@ -72,11 +75,10 @@ def _renormalise(r: Float[Array, "b v"], fallback: Float[Array, "b v"]) -> Float
     return jnp.where(mass > _RESIDUAL_FLOOR, r / jnp.where(mass > 0, mass, 1.0), fallback)
 
 
-def _accept_sampled(
-    u: Float[Array, " b"], p: Float[Array, "b v"], q: Float[Array, "b v"], x: Int[Array, " b"]
-) -> Bool[Array, " b"]:
+def _accept_sampled(u: Float[Array, "*b"], p_x: Float[Array, "*b"], q_x: Float[Array, "*b"]):
+    """Whether a token drawn from q is accepted under p, given p(x), q(x) and a uniform u."""
     # u < min(1, p/q) without a division: u < 1 always, and q(x) = 0 only for an inconsistent draft.
-    return u * _at(q, x) < _at(p, x)
+    return u * q_x < p_x
 
 
 def _reject_sampled(
@@ -169,7 +171,7 @@ def _walk_sampled(
         current, p, q, path, num = carry
         x = jnp.maximum(tokens[:, i], 0)
         tested = (parents[:, i] + 1 == current) & (tokens[:, i] >= 0)
-        accepted = tested & _accept_sampled(u[:, i], p, q, x)
+        accepted = tested & _accept_sampled(u[:, i], _at(p, x), _at(q, x))
         p_rejected, q_rejected = _reject_sampled(p, q, x, without_replacement)
         rejected = (tested & ~accepted)[:, None]
         p = jnp.where(accepted[:, None], p_all[:, i + 1], jnp.where(rejected, p_rejected, p))
@@ -185,8 +187,41 @@ def _walk_sampled(
     return path, num, p
 
 
+def _walk_chain(
+    u: Float[Array, "b n"],
+    tokens: Int[Array, "b n"],
+    p_all: Float[Array, "b n1 v"],
+    q_all: Float[Array, "b n1 v"],
+    without_replacement: bool,
+) -> tuple[Int[Array, "b n"], Int[Array, " b"], Float[Array, "b v"]]:
+    """`_walk_sampled` of a chain (node i the only child of node i - 1), every node at once: a
+    node is accepted when its test passes against the distributions at its parent and so did its
+    ancestors'; the next token comes from the target at the last accepted node, or from the
+    residual there if its child was tested (not padding) and rejected."""
+    b, n = tokens.shape
+    x = jnp.maximum(tokens, 0)
+    at_parent = lambda probs: jnp.take_along_axis(probs[:, :n], x[..., None], axis=2)[..., 0]
+    passed = (tokens >= 0) & _accept_sampled(u, at_parent(p_all), at_parent(q_all))
+    num = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+    path = jnp.where(jnp.arange(n) < num[:, None], jnp.arange(n, dtype=jnp.int32), -1)
+    at_last = lambda probs: jnp.take_along_axis(probs, num[:, None, None], axis=1)[:, 0]
+    p, q = at_last(p_all), at_last(q_all)
+    child = jnp.take_along_axis(tokens, jnp.minimum(num, n - 1)[:, None], axis=1)[:, 0]
+    rejected = (num < n) & (child >= 0)
+    residual, _ = _reject_sampled(p, q, jnp.maximum(child, 0), without_replacement)
+    return path, num, jnp.where(rejected[:, None], residual, p)
+
+
+def _is_chain(parents) -> bool:
+    """Whether parents known while tracing make every row a chain: node i below node i - 1."""
+    if not concrete(parents):
+        return False
+    parents = np.asarray(parents)
+    return bool(np.all(parents == np.arange(parents.shape[-1]) - 1))
+
+
 @functools.partial(
-    jax.jit, static_argnames=("temperature", "top_p", "top_k", "without_replacement")
+    jax.jit, static_argnames=("temperature", "top_p", "top_k", "without_replacement", "chain")
 )
 def _verify(
     key,
@@ -199,6 +234,7 @@ def _verify(
     top_p,
     top_k,
     without_replacement,
+    chain,
 ):
     walk_key, next_key = jax.random.split(key)
     u = jax.random.uniform(walk_key, tokens.shape)
@@ -206,6 +242,9 @@ def _verify(
     tokens, parents = tokens.astype(jnp.int32), parents.astype(jnp.int32)
     if draft_probs is None:
         path, num_accepted, p_next = _walk_point_mass(u, tokens, parents, p_all)
+    elif chain and tokens.shape[1]:
+        q_all = draft_probs.astype(jnp.float32)
+        path, num_accepted, p_next = _walk_chain(u, tokens, p_all, q_all, without_replacement)
     else:
         q_all = draft_probs.astype(jnp.float32)
         path, num_accepted, p_next = _walk_sampled(
@@ -300,6 +339,7 @@ def verify(
         top_p=float(top_p),
         top_k=int(top_k),
         without_replacement=bool(without_replacement),
+        chain=_is_chain(parents),
     )
 
 

@@ -42,16 +42,26 @@ class Tree(NamedTuple):
     draft_probs: None for point-mass verification, else the draft's distribution (full
       vocabulary, sampling transform applied) at the root (index 0) and at node i (index i + 1),
       from which each node's children were drawn without replacement, in index order.
+    topology: the `StaticTree` every row's parents are, when known while tracing (a static tree's
+      builder sets it): `verify` then sees the parents as values (a chain's walk takes no loop).
     """
 
     tokens: Int[Array, "b n"]
     parents: Int[Array, "b n"]
     depth: Int[Array, "b n"]
     draft_probs: Float[Array, "b n1 v"] | None = None
+    topology: "StaticTree | None" = None
 
     @property
     def point_mass(self) -> bool:
         return self.draft_probs is None
+
+    @property
+    def known_parents(self) -> Int[Array, "b n"] | np.ndarray:
+        """The parents, as NumPy values where the topology is static (`verify` reads them)."""
+        if self.topology is None:
+            return self.parents
+        return np.broadcast_to(np.asarray(self.topology.parents, np.int32), self.parents.shape)
 
     def verify(self, key: jax.Array, target_logits: Float[Array, "b n1 v"], **sampling) -> Verdict:
         """`jspec.sampler.verify` of this tree by the rule of how its builder drew it (siblings
@@ -59,7 +69,7 @@ class Tree(NamedTuple):
         return verify(
             key,
             self.tokens,
-            self.parents,
+            self.known_parents,
             target_logits,
             self.draft_probs,
             without_replacement=True,
@@ -116,6 +126,7 @@ def branch_layout(
     )
 
 
+@jax.tree_util.register_static  # a `Tree`'s topology: part of its structure, not a leaf
 @dataclasses.dataclass(frozen=True)
 class StaticTree:
     """A fixed tree topology: `parents[i]` is node i's parent (-1 for the root), parents first.
@@ -207,6 +218,7 @@ def build_static_tree(
         parents=jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (b, shape.num_nodes)),
         depth=jnp.broadcast_to(jnp.asarray(shape.depth), (b, shape.num_nodes)),
         draft_probs=draft_probs,
+        topology=shape,
     )
     return tree, carry
 

@@ -292,6 +292,28 @@ def test_compaction_on_the_training_mesh_keeps_rows_on_their_shard(setup):
         generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
 
 
+def test_keep_returns_once_that_many_rows_run_however_they_crowd_a_shard(setup):
+    """Rows over 2 data shards, the 4 longest completions on the first: with keep=5 and a bucket
+    of 6 rows (3 a shard), the rollout returns once 5 rows run though 4 of them crowd one shard;
+    the one left out of the bucket is unfinished like the others, and every completion's tokens
+    so far are plain decoding's."""
+    s = setup
+    plain_lengths = np.asarray(s["plain"].lengths)
+    order = np.argsort(-plain_lengths, kind="stable")[[0, 1, 2, 3, 5, 6, 7, 4]]
+    assert (plain_lengths[order[:4]] == NEW).all() and (plain_lengths[order[4:7]] < NEW).all()
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), devices=jax.devices()[:4])
+    target = create(CONFIG, mesh=mesh)
+    config = greedy(eos_id=s["eos"], buckets=(Bucket(6),))
+    inputs = (s["prompts"][order], s["lengths"][order], jax.random.key(1), config)
+    got = generate(target, None, *inputs, keep=5)
+    np.testing.assert_array_equal(np.asarray(got.finished), plain_lengths[order] < NEW)
+    assert int(got.stats.iterations) < NEW - 1
+    for i, j in enumerate(order):
+        n = int(got.lengths[i])
+        np.testing.assert_array_equal(got.tokens[i, :n], s["plain"].tokens[j, :n])
+    assert (np.asarray(got.lengths)[~np.asarray(got.finished)] < NEW).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: the first three tokens follow the target's law exactly.
 

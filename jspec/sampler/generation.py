@@ -79,6 +79,7 @@ class _Loop(NamedTuple):
     tokens: Int[Array, "p m"]
     logprobs: Float[Array, "p m"]
     lengths: Int[Array, " p"]
+    ended: Bool[Array, " p"]  # the completion ended (its row may have moved on or been cut)
     stats: RolloutStats
     key: jax.Array
 
@@ -294,6 +295,7 @@ def rollout(
         tokens=jnp.full((p + k, m), -1, jnp.int32),
         logprobs=jnp.zeros((p + k, m), jnp.float32),
         lengths=jnp.ones((p + k,), jnp.int32),
+        ended=jnp.zeros((p + k,), bool),
         stats=stats,
         key=key,
     )
@@ -310,14 +312,15 @@ def rollout(
             state = _compact(state, rows, shards)
         elif b < p + k:
             step = lambda s, step=step: step(_refill(fill, chunk, p, s))
-        if i + 1 < len(stage_configs):  # on until the live rows fit the next bucket
-            below = stage_configs[i + 1][0]
-            running = lambda s, below=below: (s.queued < p) | (_live_per_shard(s, shards) > below)
-        else:
-            running = lambda s: (s.queued < p) | (jnp.sum(~s.done) > keep)
+        # On while a prompt waits, or more than `keep` rows run and (a bucket below) they do not
+        # fit it. A shard's running rows beyond its share of the next bucket (only ever with
+        # `keep` rows or fewer running) are left out of it unfinished, their tokens so far kept.
+        below = stage_configs[i + 1][0] if i + 1 < len(stage_configs) else 0
+        running = lambda s, below=below: (
+            (s.queued < p) | ((jnp.sum(~s.done) > keep) & (_live_per_shard(s, shards) > below))
+        )
         state = jax.lax.while_loop(running, step, state)
-    finished = jnp.ones((p + k,), bool).at[state.prompt].set(state.done, mode="drop")
-    return Rollout(state.tokens, state.lengths, state.logprobs, finished, state.stats)
+    return Rollout(state.tokens, state.lengths, state.logprobs, state.ended, state.stats)
 
 
 def stages(config: RolloutConfig, rows: int, keep: int = 0) -> list[tuple[int, RolloutConfig]]:
@@ -434,12 +437,14 @@ def _place(s: _Loop, config: RolloutConfig, row, prompt, new: _Rows, logprob, bu
     """`s` with rows `row` (b: none) starting completions `prompt` from `new` (prefilled, its
     root sampled: their first token) with `budget` tokens each."""
     put = lambda old, x: old.at[row].set(x, mode="drop")
+    done = _stops(new.root, config) | (budget == 1)
     return s._replace(
         rows=jax.tree.map(put, s.rows, new),
         prompt=put(s.prompt, prompt),
         length=put(s.length, 1),
         budget=put(s.budget, budget),
-        done=put(s.done, _stops(new.root, config) | (budget == 1)),
+        done=put(s.done, done),
+        ended=s.ended.at[prompt].set(done, mode="drop"),
         tokens=s.tokens.at[prompt, 0].set(new.root, mode="drop"),
         logprobs=s.logprobs.at[prompt, 0].set(logprob, mode="drop"),
     )
@@ -506,10 +511,12 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
         row_steps=s.stats.row_steps.at[stage].add(b),
         emitted=s.stats.emitted.at[stage].add(jnp.sum(count)),
     )
+    done = s.done | emitted_eos | (length >= s.budget)
     return s._replace(
         rows=_Rows(cache, draft_out, jnp.where(count > 0, last, root)),
         length=length,
-        done=s.done | emitted_eos | (length >= s.budget),
+        done=done,
+        ended=s.ended.at[s.prompt].set(done, mode="drop"),
         tokens=tokens,
         logprobs=logprobs,
         lengths=s.lengths.at[s.prompt].set(length, mode="drop"),

@@ -65,13 +65,16 @@ def test_hangs_crashes_and_bad_syntax_score_zero():
     assert code_task.score([p] * len(responses), responses).tolist() == [0.0] * len(responses)
 
 
-def test_printing_a_count_or_a_lookalike_does_not_score():
+def test_printing_a_count_a_lookalike_or_the_harness_s_answers_does_not_score():
     p = code_task.problem(np.random.default_rng(1), 3)
     forged = [
         "    return []\nprint(6)\nprint('0 6')\nimport sys\nsys.exit(0)\n",
         "    return []\nimport atexit\natexit.register(print, 'passed', 6)\n",
         "    class Equal(list):\n        def __eq__(self, other):\n            return True\n"
         "    return Equal()\n",
+        "    return _wanted\n",  # the harness's names are not the response's to read
+        "    return wanted\n",
+        "    global _expected\n    return _expected\n_expected = []\n",
     ]
     assert code_task.score([p] * len(forged), forged).tolist() == [0.0] * len(forged)
 
@@ -140,3 +143,18 @@ def test_a_spread_of_difficulties_has_a_long_tail_and_the_widths_cover_its_harde
             )
         )
     tasks.check_tasks(TaskConfig(name="code", difficulty=8, spread=4))  # the code task's hardest
+
+
+def test_the_prompt_width_holds_problems_beyond_its_sample_and_a_cut_is_named():
+    """The widths come from a sample of problems; the numbers drawn make some prompts longer than
+    the sample's longest, which the width's margin holds. A row cut all the same is warned of."""
+    from jspec.config import TaskConfig
+    from jspec.rl import tasks
+    from jspec.tokenizers import ByteTokenizer
+
+    config, tokenizer = TaskConfig(name="code", difficulty=4), ByteTokenizer()
+    width, _ = tasks.widths(config, tokenizer)
+    drawn = [p for step in range(200) for p in tasks.problems(config, step, 16, 0)]
+    assert max(len(tokenizer.encode(p.prompt)) for p in drawn) <= width
+    with pytest.warns(UserWarning, match="2 of 2 rows of tokens were cut to the static width of 9"):
+        tasks.encode_prompts(tokenizer, drawn[:2], 9)

@@ -36,7 +36,8 @@ outputs equal the expected lists, after a marker drawn for that run. The reward 
 passed, 0.0 for a response that does not compile, crashes, hangs or exhausts memory. Problems are
 drawn until every step shows in the hidden tests (leaving any one out fails one) and at most one
 expected output is empty, so a body that skips a step or returns [] does not score 1. (The marker
-stops a response that prints a count, not one that reads its own program to find the marker.)
+stops a response that prints a count, not one that reads its own program to find the marker or
+the harness's frame to find the expected outputs.)
 
 It suits RL of the code model as `jspec.rl.tasks` suits the tiny ones: the reward is exact (and
 graded: a fraction of the tests), the answers are long and regular, and `difficulty` (the number of
@@ -264,16 +265,20 @@ KINDS: dict[str, tuple[tuple[int, int], Callable[[int], Step]]] = {
     ),
 }
 
+# The hidden tests live in the harness function's locals, and `solve` gets a copy of each input:
+# a body cannot name them (as module globals it could `return _wanted`) or change them.
 HARNESS = """
-_passed = 0
-for _given, _wanted in {tests}:
-    try:
-        _got = solve(_given)
-        if type(_got) is list and all(type(_v) is int for _v in _got) and _got == _wanted:
-            _passed += 1
-    except Exception:
-        pass
-print("{marker}", _passed)
+def _passed(tests):
+    passed = 0
+    for given, wanted in tests:
+        try:
+            got = solve(list(given))
+            if type(got) is list and all(type(v) is int for v in got) and got == wanted:
+                passed += 1
+        except Exception:
+            pass
+    return passed
+print("{marker}", _passed({tests}))
 """
 
 

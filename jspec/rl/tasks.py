@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -156,24 +157,36 @@ def rewards_by_step(config: TaskConfig, steps: Sequence[int], batch, responses) 
     return out
 
 
-def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 256) -> tuple[int, int]:
-    """Tokens of the longest prompt and worked answer over the run's tasks (before and after the
-    shift) at their hardest: static shapes for rollouts and training rows."""
+def widths(config: TaskConfig, tokenizer, seed: int = 0, samples: int = 1024) -> tuple[int, int]:
+    """Static shapes for rollouts and training rows, from `samples` problems of the run's tasks
+    (before and after the shift) at their hardest: the prompt width (the longest prompt and an
+    eighth more, at least 8 tokens: lengths vary with the numbers drawn, and the sample's longest
+    is not the task's) and the longest worked answer (which rollout.max_new_tokens must hold)."""
     seen = []
     for step in (0, config.shift_step) if config.shift_step else (0,):
         name, difficulty = task_at(config, step)
         rng = np.random.default_rng((seed, 0, step))
         seen += [TASKS[name].make(rng, difficulty + config.spread) for _ in range(samples)]
     longest = lambda texts: max(len(tokenizer.encode(t)) for t in texts)
-    return longest(p.prompt for p in seen), longest(p.answer for p in seen)
+    prompts = longest(p.prompt for p in seen)
+    return prompts + max(8, prompts // 8), longest(p.answer for p in seen)
 
 
 def _pad_rows(rows: list[list[int]], width: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows cut to `width` and right-padded with `fill` [B, width], and their lengths [B]."""
+    """Token rows cut to `width` (with a warning: a cut prompt is not the one scored) and
+    right-padded with `fill` [B, width], and their lengths [B]."""
     tokens = np.full((len(rows), width), fill, np.int32)
     lengths = np.asarray([min(len(r), width) for r in rows], np.int32)
     for i, row in enumerate(rows):
         tokens[i, : lengths[i]] = row[:width]
+    cut = sum(len(r) > width for r in rows)
+    if cut:
+        warnings.warn(
+            f"{cut} of {len(rows)} rows of tokens were cut to the static width of {width} "
+            f"(the longest had {max(map(len, rows))}); the task's problems outgrow the widths "
+            "estimated from a sample (jspec.rl.tasks.widths)",
+            stacklevel=3,
+        )
     return tokens, lengths
 
 

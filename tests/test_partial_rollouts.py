@@ -37,7 +37,7 @@ def test_a_pool_trains_groups_whole_and_carries_their_unfinished_completions(tmp
     carried = pool.continued()
     assert carried.tokens[:, :3].tolist() == [[5, 6, 3], [7, 9, 0]]
     assert carried.lengths.tolist() == [3, 2] and carried.budgets.tolist() == [3, 3]
-    partial.save(tmp_path, 1, pool.snapshot(), keep=2)
+    (tmp_path / "1.pkl").write_bytes(pool.snapshot())
     then = [([1], True)] * 4 + [([8, 1], True), ([2], False)]  # 4 fresh, then the 2 carried
     step1 = pool.add(1, 1, ["c", "c", "d", "d"], prompts, lengths, rollout(then))
     # Group a (step 0) and both groups of step 1 are whole; group b waits for its second answer.
@@ -51,11 +51,11 @@ def test_a_pool_trains_groups_whole_and_carries_their_unfinished_completions(tmp
     assert left.tokens[0, :3].tolist() == [7, 9, 2] and left.budgets.tolist() == [2, 1]
 
     resumed = partial.Pool(rows=2, prompt_width=3, max_new_tokens=4, group_size=2)
-    assert resumed.resume(tmp_path, 1) and not resumed.resume(tmp_path, 2)
+    assert resumed.resume(tmp_path / "1.pkl") and not resumed.resume(tmp_path / "2.pkl")
     assert resumed.continued().tokens.tolist() == carried.tokens.tolist()
     fewer = partial.Pool(rows=1, prompt_width=3, max_new_tokens=4, group_size=2)
     with pytest.raises(ConfigError, match=r"carries 2 completions of up to 1 tokens on, which"):
-        fewer.resume(tmp_path, 1)
+        fewer.resume(tmp_path / "1.pkl")
 
 
 # ---------------------------------------------------------------------------------------------

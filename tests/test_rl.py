@@ -315,6 +315,8 @@ def test_each_rollout_batch_verifies_the_tree_that_pays(tmp_path, cache, cost, t
     )
     rows = loop(tmp_path / "run", cache, "rl.steps=2", "rl.sft_steps=5", f"rl.tree_costs={costs}")
     assert [r["tree"] for r in rows] == [tree, tree]
+    learnt = json.loads((tmp_path / "run" / "trees" / "2.json").read_text())  # beside the save
+    assert learnt["estimate"]["chain 4"] != 2.0 or learnt["plain"] != 1.0
     assert rows[0]["rollout_programs"] == rows[1]["rollout_programs"]  # compiled once
     if tree == "plain":
         assert all(r["accepted_length"] == 1.0 for r in rows)

@@ -97,6 +97,25 @@ def test_chooser_decodes_plainly_where_no_tree_pays_and_probes(tmp_path):
     assert picks == [None, None, "chain", None, None, "chain"]  # 2.5 / 3.0 beats 3.2 / 6.0
 
 
+def test_a_chooser_resumed_from_what_it_saved_picks_what_it_would_have(tmp_path):
+    """What the rollouts taught a chooser (its estimates, and where it is in its probing of the
+    trees while decoding plainly) saved and taken up by a fresh one: the same picks after."""
+    path = bench_json(tmp_path / "b.json", TREES, ACCEPTED)
+    chooser, resumed = (TreeChooser.from_bench(path, 1.0) for _ in range(2))
+    for _ in range(10):
+        chooser.observe("dynamic", 2.0)
+    chooser.observe(None, 0.5)
+    chooser.pick(256)  # the first of probe_every plain picks
+    saved = tmp_path / "trees" / "3.json"
+    saved.parent.mkdir()
+    saved.write_bytes(chooser.dumps())
+    resumed.resume(tmp_path / "trees" / "2.json")  # none saved there: the bench's priors stand
+    assert resumed.estimate == pytest.approx(ACCEPTED)
+    resumed.resume(saved)
+    picks = lambda c: [c.pick(b)[0] for b in (1, 64, 256) * 30]
+    assert resumed.estimate == chooser.estimate and picks(resumed) == picks(chooser)
+
+
 def test_chooser_needs_a_bench_of_speculative_steps(tmp_path):
     with pytest.raises(ConfigError, match="rl.tree_costs='.*missing.json' is not a file"):
         TreeChooser.from_bench(tmp_path / "missing.json", 1.0)

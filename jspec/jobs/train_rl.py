@@ -469,6 +469,9 @@ def train(run: Run, state, train_step, loop: trainer.TrainLoop, quiet: bool):
     rl, first = run.rl, int(state.step)
     last = loop.limits.last_step(first, rl.steps)  # unless the time limit comes first
     pool, snapshots = resume_pool(run, loop, first, quiet)
+    if run.trees is not None:  # as the checkpoint left them: a resumed run picks the same trees
+        run.trees.resume(loop.beside("trees.json", first))
+        loop.keep_beside("trees.json", lambda done: run.trees.dumps())
     sampler = Sampler(run.sampler_networks, run.networks, pool)
     sampler.load(state, first)
     inflight: dict[int, InFlight] = {}
@@ -511,11 +514,10 @@ def resume_pool(run: Run, loop: trainer.TrainLoop, first: int, quiet: bool):
     if not rl.partial_rows:
         return None, snapshots
     pool = partial.Pool(rl.partial_rows, run.prompt_width, new, rl.group_size)
-    if not pool.resume(loop.directory, first) and first and not quiet:
+    if not pool.resume(loop.beside("partial.pkl", first)) and first and not quiet:
         print(f"no partial rollouts saved at step {first}: none carried on", file=sys.stderr)
     snapshots[first - 1] = pool.snapshot()
-    keep = rl.keep_checkpoints + 1
-    loop.on_save = lambda done: partial.save(loop.directory, done, snapshots[done - 1], keep)
+    loop.keep_beside("partial.pkl", lambda done: snapshots[done - 1])
     return pool, snapshots
 
 

@@ -242,8 +242,8 @@ class TrainLoop:
         )
         self.checkpoints.check_resume()
         self.metrics = Metrics(directory) if hosts.is_main() else None
-        self.total, self.limits, self.name = total, limits, name
-        self.on_save: Callable[[int], None] | None = None  # what the run keeps beside a save
+        self.total, self.limits, self.name, self.keep = total, limits, name, keep
+        self._beside: list[tuple[str, Callable[[int], bytes]]] = []  # `keep_beside`'s files
         self.save_every, self.save_minutes, self.save_last = save_every, save_minutes, save_last
         self.last_save = time.perf_counter()
         self.removed = False
@@ -270,13 +270,34 @@ class TrainLoop:
             self.metrics.flush()
 
     def save(self, done: int, state) -> None:
-        """Starts the async save of `state` after `done` steps (the metrics, and `on_save`'s
-        files, written first)."""
+        """Starts the async save of `state` after `done` steps (the metrics, and the files kept
+        beside it, written first)."""
         self.flush()
-        if self.on_save is not None:
-            self.on_save(done)
+        for name, snapshot in self._beside:
+            self._write_beside(name, done, snapshot(done))
         self.checkpoints.save(done, state)
         self.last_save = time.perf_counter()
+
+    def beside(self, name: str, done: int) -> pathlib.Path:
+        """Where the file `name` (such as 'partial.pkl') of the checkpoint after `done` steps is
+        kept: what the run holds outside its TrainState, which a resumed run takes up again."""
+        name = pathlib.PurePath(name)
+        return self.directory / name.stem / f"{done}{name.suffix}"
+
+    def keep_beside(self, name: str, snapshot: Callable[[int], bytes]) -> None:
+        """With each save after `done` steps, `snapshot(done)` written to `beside(name, done)`."""
+        self._beside.append((name, snapshot))
+
+    def _write_beside(self, name: str, done: int, data: bytes) -> None:
+        """Whole or not at all; the newest `keep` + 1 kept (the checkpoints' and the one before)."""
+        path = self.beside(name, done)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_bytes(data)
+        partial.replace(path)
+        saved = sorted(path.parent.glob(f"*{path.suffix}"), key=lambda p: int(p.stem))
+        for old in saved[: -(self.keep + 1)]:
+            old.unlink()
 
     def step_done(self, done: int, state, metrics: dict | None = None, *, flush: bool = True):
         """After the train step that made `state`, the `done`th: its metrics written as step

@@ -173,11 +173,10 @@ class Pool:
     def snapshot(self) -> bytes:
         return pickle.dumps(self.pending)
 
-    def resume(self, run_dir: pathlib.Path, done: int) -> bool:
-        """Takes the completions saved with the checkpoint after `done` steps; False if none
-        were (the pool stays empty). Raises ConfigError when they do not fit this pool (a run
-        resumed with another rl.partial_rows or rollout.max_new_tokens)."""
-        path = pool_path(run_dir, done)
+    def resume(self, path: pathlib.Path) -> bool:
+        """Takes the completions of a `snapshot` saved at `path`; False if there is none (the pool
+        stays empty). Raises ConfigError when they do not fit this pool (a run resumed with
+        another rl.partial_rows or rollout.max_new_tokens)."""
         if not path.is_file():
             return False
         pending = pickle.loads(path.read_bytes())
@@ -207,21 +206,3 @@ def metrics(trained: Trained, finished, step: int, group_size: int) -> dict:
 
 def _empty():
     return np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32)
-
-
-def pool_path(run_dir: pathlib.Path, done: int) -> pathlib.Path:
-    """Where the pool that the checkpoint after `done` steps carries on is kept."""
-    return run_dir / "partial" / f"{done}.pkl"
-
-
-def save(run_dir: pathlib.Path, done: int, snapshot: bytes, keep: int) -> None:
-    """Writes the pool of the checkpoint after `done` steps (whole or not at all), keeping the
-    latest `keep`."""
-    path = pool_path(run_dir, done)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_bytes(snapshot)
-    partial.replace(path)
-    saved = sorted(path.parent.glob("*.pkl"), key=lambda p: int(p.stem))
-    for old in saved[:-keep]:
-        old.unlink()

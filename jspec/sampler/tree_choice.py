@@ -181,6 +181,21 @@ class TreeChooser:
             name, _ = best_tree(self.costs, batch, self.estimate)
         return name, self.trees[name]
 
+    def dumps(self) -> bytes:
+        """What the rollouts taught it (estimates, plain picks), as JSON: kept beside a
+        checkpoint, so that the resumed run picks the trees the uninterrupted one would."""
+        learnt = dict(estimate=self.estimate, plain=self.plain, plain_picks=self._plain_picks)
+        return json.dumps(learnt).encode()
+
+    def resume(self, path: pathlib.Path) -> None:
+        """Takes up what a `dumps` saved at `path` taught (the estimates of the trees it also
+        has), if it is there."""
+        if not path.is_file():
+            return
+        learnt = json.loads(path.read_text())
+        self.estimate |= {n: float(e) for n, e in learnt["estimate"].items() if n in self.trees}
+        self.plain, self._plain_picks = float(learnt["plain"]), int(learnt["plain_picks"])
+
     def observe(self, name: str | None, tokens_per_row_step: float) -> None:
         """The tokens per row-step the rollouts of tree `name` (None: plain decoding) measured."""
         old = self.plain if name is None else self.estimate[name]

@@ -28,7 +28,7 @@ from jspec.models.draft import (
     create_eagle3,
     frequent_tokens,
 )
-from jspec.models.draft_factory import from_config
+from jspec.models.draft_factory import check_config, from_config
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "eagle3-tiny"
 # A target of the fixture draft's shape.
@@ -193,6 +193,26 @@ def test_norm_before_residual_is_read_and_changes_the_layer(tmp_path):
     assert found.norm_before_residual and draft.config.norm_before_residual
     got, want = fixture_logits(draft, found.embedding)
     assert np.abs(np.asarray(got) - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_the_target_layers_a_draft_reads_are_checked_and_written(tmp_path):
+    """A checkpoint's eagle_aux_hidden_state_layer_ids (vLLM's and speculators' name for the
+    target layers whose inputs the draft reads) must be the target's taps, checked from its
+    config.json before any weight is read; a draft trained by jspec writes its target's."""
+    edit = {eagle_io.TAPS: [2, 1, 0]}
+    path = rename_layer(FIXTURE, tmp_path / "taps", "midlayer", config_edit=edit)
+    draft, _ = eagle_io.load(path)
+    assert draft.config.tap_layers == (2, 1, 0)
+    default = FIXTURE_TARGET  # taps (0, 1, 2)
+    with pytest.raises(ConfigError, match=r"target layers \[2, 1, 0\] .* model.tap_layers=\[2, 1"):
+        check_config(DraftConfig(kind="eagle3", path=str(path)), default)
+    reordered = dataclasses.replace(default, tap_layers=(2, 1, 0))
+    check_target(draft, reordered)
+    fresh = from_config(DraftConfig(kind="eagle3"), create(reordered))
+    eagle_io.save(tmp_path / "saved", fresh)
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert written[eagle_io.TAPS] == [2, 1, 0]
+    assert eagle_io.load(FIXTURE)[0].config.tap_layers is None  # EAGLE's own layout: not said
 
 
 @pytest.mark.parametrize("layout", ["eagle", "speculators"])

@@ -101,8 +101,11 @@ class DraftConfig:
     """The draft model that proposes trees.
 
     kind 'eagle3': an EAGLE-3 head on the target's taps, from `path` (a checkpoint in the public
-    EAGLE-3 layout) or randomly initialised with a draft vocabulary of `vocab_size` most frequent
-    tokens (0: the target's whole vocabulary). 'mtp': a multi-token-prediction head on the
+    EAGLE-3 layout) or randomly initialised with a draft vocabulary of the target's first
+    `vocab_size` ids (0: the whole vocabulary): in a byte-level BPE the bytes and the earliest,
+    most common merges, the demo's bytes and end token. A draft whose vocabulary should be the
+    most frequent tokens of a corpus takes `jspec.models.draft.frequent_tokens` as its
+    `target_ids` (`create_eagle3`). 'mtp': a multi-token-prediction head on the
     target's final hidden state, sharing its embedding and output head, from `path` (a policy
     directory holding its head in MiMo's layout, `jspec.models.hf_mtp`) or randomly initialised.
     'block': a block draft (DFlash style, `jspec.models.block`) on the target's taps, sharing its

@@ -121,6 +121,12 @@ def check_eagle3_config(c: Eagle3Config, target: ModelConfig) -> None:
             f"the EAGLE-3 draft fuses {c.num_taps} taps but the target gives "
             f"{len(target.taps)} (model.tap_layers={target.taps})."
         )
+    if c.tap_layers is not None and tuple(c.tap_layers) != tuple(target.taps):
+        raise ConfigError(
+            f"the EAGLE-3 draft reads the inputs of target layers {list(c.tap_layers)} (its "
+            f"eagle_aux_hidden_state_layer_ids) but the target taps {list(target.taps)}; set "
+            f"model.tap_layers={list(c.tap_layers)}, or use a draft trained on these taps."
+        )
     if c.layer.vocab_size != target.vocab_size:
         raise ConfigError(
             f"the EAGLE-3 draft maps its vocabulary into {c.layer.vocab_size} target tokens, "
@@ -218,12 +224,15 @@ class OneLayerDraft(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
     """An EAGLE-3 draft: `layer` is the shape of its one decoder layer (num_layers=1; vocab_size is
-    the target's, which the draft vocabulary maps into), with RoPE and norms like the target's."""
+    the target's, which the draft vocabulary maps into), with RoPE and norms like the target's;
+    `tap_layers`, the target layers whose inputs it reads (its checkpoint's
+    eagle_aux_hidden_state_layer_ids), None where its checkpoint does not say."""
 
     layer: ModelConfig
     draft_vocab_size: int
     num_taps: int = 3
     norm_before_residual: bool = False
+    tap_layers: tuple[int, ...] | None = None
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int = 0) -> Eagle3Config:
@@ -231,7 +240,8 @@ class Eagle3Config:
         layer = dataclasses.replace(
             target, num_layers=1, qk_norm=False, tap_layers=None, num_experts=0, mlp_only_layers=()
         )
-        return cls(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size)
+        vocab = draft_vocab_size or target.vocab_size
+        return cls(layer=layer, draft_vocab_size=vocab, tap_layers=tuple(target.taps))
 
     def validate(self) -> None:
         self.layer.validate("draft")

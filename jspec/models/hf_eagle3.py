@@ -56,6 +56,7 @@ EMBED = "embed_tokens.weight"
 # (relative 2**-8, doubled: either side may have been rounded, to bf16 or fp16) or both are below
 # fp16's normal range, where a stored copy loses relative precision.
 EMBED_RTOL, EMBED_ATOL = 2.0**-7, 1e-6
+TAPS = "eagle_aux_hidden_state_layer_ids"
 
 
 class Found(NamedTuple):
@@ -83,10 +84,14 @@ def config_from_json(raw: dict[str, Any], **overrides: Any) -> Eagle3Config:
             "model with jspec.models.hf.load)."
         )
     layer_config = hf.config_from_hf(layer, **overrides)
+    # The target layers whose inputs the draft reads (vLLM's and speculators' name; EAGLE's own
+    # checkpoints do not say): taps in jspec's sense, the hidden state entering each layer.
+    taps = raw.get(TAPS) or (raw.get("eagle_config") or {}).get(TAPS)
     return Eagle3Config(
         layer=layer_config,
         draft_vocab_size=int(raw["draft_vocab_size"]),
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        tap_layers=tuple(int(t) for t in taps) if taps else None,
     )
 
 
@@ -99,6 +104,8 @@ def config_to_json(config: Eagle3Config) -> dict[str, Any]:
         norm_before_residual=config.norm_before_residual,
         target_hidden_size=config.layer.hidden_size,
     )
+    if config.tap_layers is not None:
+        out[TAPS] = list(config.tap_layers)
     return out
 
 

@@ -7,9 +7,11 @@ with `--no-spec`) against a step-by-step loop (`jspec/bench/greedy_check.py`).""
 import argparse
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jspec.bench import greedy_check, kernel_census, kernel_profile
 from jspec.bench import rollout as bench_rollout
@@ -45,6 +47,28 @@ def test_the_predicted_speedup_counts_the_loop_work_both_loops_pay():
     assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=1.5), 1.6)
     # with no loop work (the bare forward is the plain step) the prediction is the cost curve's
     assert np.isclose(bench_rollout.predicted_speedup(spec, plain, 2.5, forward=2.0), 2.4 / 1.25)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_memory_floor_counts_the_weights_a_decode_step_reads(tied):
+    """float32 parameters decoded in bfloat16: the floor counts the rollout copy's bytes (every
+    layer's weights, the final norm and the head in bfloat16), not the parameters', and not the
+    input embedding where the head is a matrix of its own (a step gathers its rows)."""
+    import dataclasses
+
+    from jspec.config import ModelConfig
+    from jspec.models import create
+
+    config = ModelConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        intermediate_size=64, max_seq_len=64, dtype="bfloat16", param_dtype="float32",
+    )  # fmt: skip
+    model = create(dataclasses.replace(config, tie_embeddings=tied))
+    rollout = model.for_rollout()
+    read = [*rollout.unstacked, rollout.final_norm, rollout.embed if tied else rollout.unembed]
+    want = sum(x.nbytes for x in jax.tree.leaves(nnx.state(nnx.List(read))))
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(nnx.List(read)))} == {jnp.dtype("bfloat16")}
+    assert bench_rollout.decode_weight_bytes(model) == want
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "block"])

@@ -432,6 +432,20 @@ def compare_backends(model, prompts, rows: int, args) -> tuple[dict, dict]:
     return ms, tables
 
 
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every floating weight in the compute dtype (the
+    rollout's copy, `Transformer.for_rollout`, whatever the parameters' dtype), the input
+    embedding left out where the output head is a matrix of its own (a step gathers a row of the
+    embedding per sequence, not the table)."""
+    cfg, skip = model.config, set() if model.config.tie_embeddings else {"embed"}
+    item = jnp.dtype(cfg.dtype).itemsize
+    return sum(
+        x.size * item
+        for path, x in jax.tree.leaves_with_path(nnx.state(model))
+        if jnp.issubdtype(x.dtype, jnp.floating) and path[0].key not in skip
+    )
+
+
 def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:
     """Seconds of a decode step that reads the weights and the mean cache once at `--bandwidth`."""
     tokens = batch * (args.prompt_len + args.new_tokens // 2)
@@ -495,7 +509,7 @@ def main(argv=None):
     model, draft, prompt_rows = models(args)
     quoted = provenance(args)
     log(f"models ready; every speedup below is at {json.dumps(quoted)}")
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    weight_bytes = decode_weight_bytes(model)
     rows = []
     for b in args.batches:
         rows.append(measure(model, draft, queue(prompt_rows, b, args), b, weight_bytes, args))

@@ -132,6 +132,23 @@ def test_a_mesh_left_to_the_devices_is_refused():
         plan.plan_config(args)
 
 
+@pytest.mark.parametrize(
+    "rows, rollout_batch, overrides, message",
+    [
+        (3, 2, [], r"--rows=3 training rows do not split over mesh.data=2; pass a multiple of 2"),
+        (2, 2, ["pipeline.microbatches=2"], r"1 training rows do not cut into pipeline"),
+        (2, 3, [], r"--rollout-batch=3 rows do not split over .* = 2; pass a multiple of 2"),
+    ],
+)
+def test_rows_that_do_not_split_over_the_mesh_are_refused_before_compiling(
+    rows, rollout_batch, overrides, message
+):
+    cfg = config_lib.load("tiny", ["mesh.data=2", "mesh.context=1", *overrides])
+    with pytest.raises(config_lib.ConfigError, match=message):
+        plan.check_batches(cfg, rows, rollout_batch)
+    plan.check_batches(cfg, 4, 2)
+
+
 @pytest.fixture
 def planner_env(monkeypatch):
     """`plan.main` sets the jax variables for its virtual devices: put them back afterwards. The

@@ -120,6 +120,18 @@ def test_a_time_limit_saves_the_step_and_exits_75(finished, tmp_path, capfd):
     assert steps(run) == [2, 3, 4]
 
 
+def test_a_metrics_line_cut_short_is_written_again_not_a_stop(tmp_path):
+    """A process killed in the middle of writing metrics.jsonl leaves a partial last line: the
+    resumed run reads the whole ones and writes on from the step it resumes at."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.5}\n{"step": 1, "lo')
+    assert trainer.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "loss": 1.5}]
+    metrics = trainer.Metrics(tmp_path)
+    metrics.write(1, {"loss": 1.25})
+    metrics.flush()
+    rows = trainer.read_metrics(tmp_path / "metrics.jsonl")
+    assert rows == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 1.25}]
+
+
 def test_fields_added_since_a_checkpoint_was_written_are_named_not_refused(tmp_path):
     """A config field the checkpoint's config lacks (added to jspec after it was saved) is
     accepted with a line; a field that exists and differs is still refused."""

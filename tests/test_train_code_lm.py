@@ -19,7 +19,7 @@ from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError, DraftConfig
-from jspec.jobs import train_code_lm, trainer
+from jspec.jobs import code_corpus, train_code_lm, trainer
 from jspec.models import draft_factory, hf, hf_eagle3, hf_mtp
 from jspec.models.block import BlockDraft
 from jspec.models.mtp import MTPConfig, create_mtp
@@ -118,6 +118,18 @@ def test_an_mtp_head_is_trained_and_ships_beside_the_target(tmp_path):
     assert hf.read_json(tmp_path / "mtp" / hf.CONFIG)[hf_mtp.COUNT] == 1
     report = json.loads((tmp_path / "report.json").read_text())
     assert 0 <= report["draft_top1_agreement"] <= 1
+    # Another draft on this run's finished target, with a flag of the model forgotten: refused
+    # before anything is read or trained (it would load the target into another model's shape).
+    again = [*ARGS[:3], "model.num_layers=4", *ARGS[3:], "--draft-kind", "block"]
+    with pytest.raises(hf.CheckpointError, match=r"model.num_layers=4 \(the checkpoint's 8\)"):
+        train_code_lm.main([*again, "--run-dir", str(tmp_path)])
+    assert not (tmp_path / "block").exists()
+    with pytest.raises(ConfigError, match=r"tokenizer of 512 ids, not model.vocab_size=256"):
+        code_corpus.train_tokenizer(["x"], 256, tmp_path / "tokenizer.json")
+    files = code_corpus.python_files(None, 1_000_000)  # what the run read: the default --roots
+    code_corpus.check_corpus(files, tmp_path / "corpus.json")
+    with pytest.raises(ConfigError, match=r"not the one this run began with \(\d+ files"):
+        code_corpus.check_corpus(files[1:], tmp_path / "corpus.json")
 
 
 def test_an_mtp_head_trained_with_the_target_ships_from_the_first_step(tmp_path):

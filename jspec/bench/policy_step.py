@@ -3,7 +3,7 @@ rows (next-token cross-entropy, `jit(grad)`), timed, and its model FLOPs over th
 the GPU's matmul ceiling (model FLOP utilization).
 
     python -m jspec.bench.policy_step --config qwen3-8b model.num_layers=8 --tokens 8192
-    python -m jspec.bench.policy_step --config code-1b --tokens 8192 32768 model.remat=none
+    python -m jspec.bench.policy_step --config code-1b model.remat=none --tokens 8192 32768
     python -m jspec.bench.policy_step --device cpu --config tiny --tokens 256 --documents 2
 
 Model FLOPs (`model_flops`) count what the model must compute, three times its forward: every

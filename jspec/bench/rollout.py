@@ -433,25 +433,19 @@ def compare_backends(model, prompts, rows: int, args) -> tuple[dict, dict]:
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes of weights a decode step reads: every floating weight in the compute dtype (the
-    rollout's copy, `Transformer.for_rollout`, whatever the parameters' dtype), the input
-    embedding left out where the output head is a matrix of its own (a step gathers a row of the
-    embedding per sequence, not the table)."""
-    cfg, skip = model.config, set() if model.config.tie_embeddings else {"embed"}
-    item = jnp.dtype(cfg.dtype).itemsize
-    return sum(
-        x.size * item
-        for path, x in jax.tree.leaves_with_path(nnx.state(model))
-        if jnp.issubdtype(x.dtype, jnp.floating) and path[0].key not in skip
-    )
+    """Bytes of weights a decode step reads: each floating weight in the compute dtype (the rollout
+    copy's), the input embedding left out unless it is the head (a step gathers a row of it)."""
+    c, leaves = model.config, jax.tree.leaves_with_path(nnx.state(model))
+    read = [x for p, x in leaves if c.tie_embeddings or p[0].key != "embed"]
+    floating = [x for x in read if jnp.issubdtype(x.dtype, jnp.floating)]
+    return sum(x.size * jnp.dtype(c.dtype).itemsize for x in floating)
 
 
 def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:
     """Seconds of a decode step that reads the weights and the mean cache once at `--bandwidth`."""
     tokens = batch * (args.prompt_len + args.new_tokens // 2)
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    kv_bytes = tokens * per_token
-    return (weight_bytes + kv_bytes) / args.bandwidth
+    return (weight_bytes + tokens * per_token) / args.bandwidth
 
 
 def measure(model, draft, queue, batch: int, weight_bytes: int, args) -> dict:
@@ -570,10 +564,8 @@ def random_models(args, dtype: str | None = None):
     cfg = config_lib.load(args.config, args.overrides).model
     if dtype:
         cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
-    draft = random_draft(cfg, args.draft_vocab)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (prompt_count(args), args.prompt_len))
-    return create(cfg), draft, prompts
+    rng, shape = np.random.default_rng(0), (prompt_count(args), args.prompt_len)
+    return create(cfg), random_draft(cfg, args.draft_vocab), rng.integers(0, cfg.vocab_size, shape)
 
 
 def trained(args, dtype: str = "bfloat16"):
@@ -594,13 +586,12 @@ def print_row(r) -> None:
         f"floor {r['floor_ms']:.2f} ms ({100 * r['of_floor']:.0f}%)",
         f"verify/decode {curve}",
     ]
-    for name, x in r["speculative"].items():
-        parts.append(
-            f"{name} ({x['tree']}): step {x['step_in_decode_steps']:.2f} decodes (draft "
-            f"{x['draft_in_decode_steps']:.2f}), accepted "
-            f"{x['accepted_length']:.2f}, speedup {x['speedup']:.2f}x "
-            f"(predicted {x['predicted_speedup']:.2f}x)"
-        )
+    parts += [
+        f"{name} ({x['tree']}): step {x['step_in_decode_steps']:.2f} decodes (draft "
+        f"{x['draft_in_decode_steps']:.2f}), accepted {x['accepted_length']:.2f}, speedup "
+        f"{x['speedup']:.2f}x (predicted {x['predicted_speedup']:.2f}x)"
+        for name, x in r["speculative"].items()
+    ]
     print(" | ".join(parts), flush=True)
 
 

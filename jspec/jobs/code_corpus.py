@@ -6,6 +6,7 @@ the same batch for the same index in every run.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sysconfig
 import zlib
@@ -60,7 +61,14 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if path.is_file():
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
+        if tok.get_vocab_size() != vocab_size:
+            raise ConfigError(
+                f"{path} holds a tokenizer of {tok.get_vocab_size()} ids, not model.vocab_size="
+                f"{vocab_size}: its run directory was begun with another vocabulary; pass "
+                f"model.vocab_size={tok.get_vocab_size()}, or use another --run-dir."
+            )
+        return tok
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,10 +126,35 @@ class Corpus(NamedTuple):
     bytes_per_token: float
 
 
+def check_corpus(files: list[tuple[str, str]], path: pathlib.Path) -> None:
+    """The corpus a run began with (its files, their characters, a hash of their paths), written
+    to `path` the first time and checked at every later start: the default --roots (this
+    Python's stdlib and site-packages) change with an install, and a resumed run would read
+    another stream than its checkpoints were trained on, with a tokenizer trained on other files."""
+    seen = {
+        "files": len(files),
+        "chars": sum(len(text) for _, text in files),
+        "paths_crc32": zlib.crc32("\n".join(name for name, _ in files).encode()),
+    }
+    if not path.is_file():
+        path.write_text(json.dumps(seen))
+        return
+    began = json.loads(path.read_text())
+    if began != seen:
+        raise ConfigError(
+            f"the corpus is not the one this run began with ({began['files']} files of "
+            f"{began['chars']:,} characters then, {seen['files']} of {seen['chars']:,} now, "
+            f"{path}): --roots or the Python install under the default roots changed; pass the "
+            "--roots the run read, or use another --run-dir."
+        )
+
+
 def read_corpus(args, vocab_size: int, run: pathlib.Path, limits: trainer.Limits) -> Corpus:
     """The corpus of --roots split into training and held-out files, tokenized by the tokenizer
     trained on the training files (`run`/tokenizer.json)."""
-    train_texts, heldout_texts = split(python_files(args.roots, args.max_bytes), args.heldout)
+    files = python_files(args.roots, args.max_bytes)
+    check_corpus(files, run / "corpus.json")
+    train_texts, heldout_texts = split(files, args.heldout)
     tok = train_tokenizer(train_texts, vocab_size, run / "tokenizer.json")
     train, heldout = token_stream(tok, train_texts), token_stream(tok, heldout_texts)
     bytes_per_token = sum(map(len, map(str.encode, heldout_texts))) / len(heldout[0])

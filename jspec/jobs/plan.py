@@ -18,7 +18,7 @@ and reports what XLA's SPMD partitioner gives one device (`memory_analysis`, `co
 - the peak of each program (arguments + temporaries + outputs not aliased to donated inputs), and
   its FLOPs (the rollout's while loop counted once: the prefill and one verify step).
 
-    python -m jspec.jobs.plan --config code-rl --gpu     # on a GPU machine: its own compiler
+    python -m jspec.jobs.plan --config code-rl --mesh data=1 --gpu  # a GPU machine's compiler
     python -m jspec.jobs.plan --config qwen3-8b-256k --gpu-topology 8x8   # 64 GPUs, on one
 
 With `--gpu` the programs are compiled for this machine's GPUs (the mesh must fit them) by XLA's
@@ -337,6 +337,23 @@ def rollout_step(cfg: config_lib.Config, networks, params, prompt_len: int, batc
         return jax.jit(run).lower(*args).compile(), args
 
 
+def check_batches(cfg: config_lib.Config, rows: int, rollout_batch: int) -> None:
+    """Raises ConfigError unless the training rows split over mesh.data (per microbatch of a
+    pipeline) and the rollout's rows over mesh.data x mesh.context, as a run places them."""
+    data, context = cfg.mesh.data, cfg.mesh.context
+    if rows % data or rows <= 0:
+        raise ConfigError(
+            f"--rows={rows} training rows do not split over mesh.data={data}; pass a multiple "
+            f"of {data}."
+        )
+    cfg.pipeline.check_rows(rows // data, where="pipeline (--rows)")
+    if rollout_batch % (data * context) or rollout_batch <= 0:
+        raise ConfigError(
+            f"--rollout-batch={rollout_batch} rows do not split over mesh.data x mesh.context = "
+            f"{data * context}; pass a multiple of {data * context}."
+        )
+
+
 def plan(
     cfg: config_lib.Config,
     seq_len: int,
@@ -349,12 +366,13 @@ def plan(
     sizes = dataclasses.asdict(cfg.mesh)
     if len(devices) != math.prod(sizes.values()):
         raise ConfigError(count_mismatch(sizes, devices))
+    rows = rows or sizes["data"] * cfg.pipeline.microbatches
+    decode = rollout_batch or sizes["data"] * sizes["context"]
+    check_batches(cfg, rows, decode)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     networks, params = abstract_networks(cfg, mesh)
-    rows = rows or sizes["data"] * cfg.pipeline.microbatches
     train, state, _ = train_step(cfg, networks, params, seq_len, rows)
     new_tokens = cfg.rollout.max_new_tokens
-    decode = rollout_batch or sizes["data"] * sizes["context"]
     roll, _ = rollout_step(cfg, networks, params, seq_len - new_tokens, decode)
     return Plan(
         _bytes(state.params),

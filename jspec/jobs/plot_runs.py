@@ -11,7 +11,6 @@ Needs matplotlib (`pip install -e '.[plot]'`).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import re
 import sys
@@ -20,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from jspec.config import ConfigError
-from jspec.jobs import cli
+from jspec.jobs import cli, trainer
 
 PANELS = (
     ("accepted_length", "mean accepted length"),
@@ -33,8 +32,7 @@ def read(run_dir: pathlib.Path) -> dict[str, np.ndarray]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path} not found; pass run directories of train_rl (--run-dir).")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    rows = [r for r in rows if r]
+    rows = [r for r in trainer.read_metrics(path) if r]
     out = {"step": np.asarray([r["step"] for r in rows])}
     for key, _ in PANELS:
         out[key] = np.asarray([r.get(key, np.nan) for r in rows], dtype=float)

@@ -264,7 +264,7 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
 def spent_seconds(loop: trainer.TrainLoop, done: int) -> float:
     """Training seconds of a stage's first `done` steps, which earlier runs made (on process 0,
     which writes the metrics; `trainer.agreed` makes its decisions every process's)."""
-    return sum(step.get("seconds", 0.0) for step in read_metrics(loop.metrics_path)[:done])
+    return sum(step.get("seconds", 0.0) for step in trainer.read_metrics(loop.metrics_path)[:done])
 
 
 def lm_loss(logits, batch):
@@ -470,16 +470,11 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     return target, draft
 
 
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    """A stage's metrics.jsonl, a dict a step (none before its first)."""
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def stage_record(run: pathlib.Path, stage: str) -> tuple[int, float | None]:
     """(steps, training seconds) of `stage` in `run`: the steps it made and their seconds summed
     over the runs that made them, each run's first step (its compile) left out (None where its
     metrics do not time the steps)."""
-    steps = read_metrics(run / "training" / stage / "metrics.jsonl")
+    steps = trainer.read_metrics(run / "training" / stage / "metrics.jsonl")
     if not any({"seconds", "compile_seconds"} & set(step) for step in steps):
         return len(steps), None
     return len(steps), sum(step.get("seconds", 0.0) for step in steps)
@@ -533,10 +528,10 @@ def main(argv=None):
     run = cli.run_directory(pathlib.Path(args.run_dir))
     # {stage: its loop, None when finished}: the checkpoints' configs checked before anything
     unfinished = lambda stage: not (run / stage.name).is_dir()
-    loops = {
-        s: stage_loop(run, args, cfg, s, limits) if unfinished(s) else None
-        for s in stages(args, cfg, mesh, run)
-    }
+    staged = stages(args, cfg, mesh, run)
+    if not unfinished(staged[0]):  # the finished target a draft trains on: the flags' model
+        hf.check_config(run / staged[0].name, cfg)
+    loops = {s: stage_loop(run, args, cfg, s, limits) if unfinished(s) else None for s in staged}
     say = lambda msg: print(msg, flush=True)
     with trainer.resumable(say), contextlib.ExitStack() as closing:
         for loop in filter(None, loops.values()):

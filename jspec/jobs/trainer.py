@@ -150,6 +150,17 @@ def resumable(say: Callable[[str], None]):
         raise SystemExit(EXIT_RESUME) from None
 
 
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The rows of a metrics.jsonl (none if there is no file). A last line that does not parse
+    is a write cut short (a process killed mid-line, a full disk): left out, so that the run
+    resumes and writes that step again."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    rows = [json.loads(ln) for ln in lines[:-1]]
+    with contextlib.suppress(json.JSONDecodeError):
+        rows += [json.loads(ln) for ln in lines[-1:]]
+    return rows
+
+
 class Metrics:
     """`directory`/metrics.jsonl, one line a step (the lines of the steps from the first one
     written on are dropped: a resumed run writes them again), and TensorBoard events of its float
@@ -185,11 +196,8 @@ class Metrics:
             self.board.close()
 
     def _open(self, first: int) -> None:
-        kept = []
-        if self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in kept if json.loads(ln)["step"] < first]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        kept = [row for row in read_metrics(self.path) if row["step"] < first]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.opened = True
         try:
             from tensorboardX import SummaryWriter

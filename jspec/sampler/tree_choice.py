@@ -138,8 +138,8 @@ class TreeChooser:
         data = json.loads(pathlib.Path(path).read_text())
         if not data.get("trees") or not all(r["speculative"] for r in data["rows"]):
             raise ConfigError(
-                f"{path} holds no timed speculative steps; run bench_rollout without --no-spec "
-                "(and with a trained draft) to write one."
+                f"{path} holds no timed speculative steps; run `python -m jspec.bench.rollout` "
+                "without --no-spec (and with a trained draft) to write one."
             )
         measured = data.get("args", {}).get("temperature")
         if measured is None or float(measured) != float(temperature):

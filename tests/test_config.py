@@ -95,6 +95,19 @@ def test_dotted_overrides():
             ["model.rope_scaling.low_freq_factor=4.0", "model.rope_scaling.high_freq_factor=4.0"],
             r"high_freq_factor=4.0 must exceed low_freq_factor=4.0",
         ),
+        (["model.rope_scaling.factor=-1"], r"factor, low_freq_factor and .* must be > 0"),
+        (["rl.max_grad_norm=-1"], r"rl.max_grad_norm=-1.0 must be > 0"),  # else gradient ascent
+        (["rl.draft_max_grad_norm=0"], r"rl.draft_max_grad_norm=0.0 must be > 0"),
+        (["rl.keep_checkpoints=0"], r"rl.keep_checkpoints=0 must be >= 1"),
+        (["rl.task.shifted_difficulty=3"], r"shifted_difficulty is set but rl.task.shift_step=0"),
+        (  # the warm start's 5 rows, and a step's 3 packed ones, cut into no 2 microbatches
+            ["pipeline.stages=2", "mesh.stage=2", "pipeline.microbatches=2", "rl.sft_batch=20"],
+            r"5 training rows do not cut into pipeline.microbatches=2",
+        ),
+        (
+            ["pipeline.stages=2", "mesh.stage=2", "pipeline.microbatches=2", "rl.packed_rows=[3]"],
+            r"3 training rows do not cut into pipeline.microbatches=2",
+        ),
     ],
 )
 def test_bad_config_values_are_named(overrides, message):

@@ -113,15 +113,18 @@ def test_bad_rl_config_values_are_named(overrides, message):
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, message",
     [
-        ("rl.task.name=multiplication", r"rl.task.name='multiplication' is not a task; use one"),
-        ("rl.task.shifted_name=sortin", r"rl.task.shifted_name='sortin' .* Did you mean 'sorting'"),
+        (["rl.task.name=multiplication"], r"rl.task.name='multiplication' is not a task; use"),
+        (
+            ["rl.task.shift_step=5", "rl.task.shifted_name=sortin"],
+            r"rl.task.shifted_name='sortin' .* Did you mean 'sorting'",
+        ),
     ],
 )
-def test_unknown_tasks_are_named_by_the_task_list(override, message):
+def test_unknown_tasks_are_named_by_the_task_list(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        tasks.check_tasks(config.load("demo", [override]).rl.task)
+        tasks.check_tasks(config.load("demo", overrides).rl.task)
 
 
 def test_rollouts_grpo_cannot_learn_from_are_named():

@@ -117,6 +117,14 @@ class ModelConfig:
                 f"{where}.head_dim={self.head_dim} must be even: rotary embeddings rotate pairs."
             )
         s = self.rope_scaling
+        if (
+            s is not None
+            and not min(s.factor, s.low_freq_factor, s.original_max_position_embeddings) > 0
+        ):
+            raise ConfigError(
+                f"{where}.rope_scaling={s}: factor, low_freq_factor and "
+                "original_max_position_embeddings must be > 0 (Llama 3.1: 8.0, 1.0, 8192)."
+            )
         if s is not None and s.high_freq_factor <= s.low_freq_factor:
             raise ConfigError(
                 f"{where}.rope_scaling.high_freq_factor={s.high_freq_factor} must exceed "

@@ -48,6 +48,14 @@ class TaskConfig:
                 raise ConfigError(f"{where}.{field}={value} must be >= 1.")
         if self.shift_step < 0:
             raise ConfigError(f"{where}.shift_step={self.shift_step} must be >= 0 (0: no shift).")
+        shifted = [
+            f for f in ("shifted_name", "shifted_difficulty") if getattr(self, f) is not None
+        ]
+        if shifted and not self.shift_step:
+            raise ConfigError(
+                f"{where}.{shifted[0]} is set but {where}.shift_step=0: the task never shifts; "
+                f"set {where}.shift_step to the step it shifts at, or unset {shifted[0]}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +156,7 @@ class RLConfig:
 
     def validate(self, where: str = "rl") -> None:
         self.task.validate(f"{where}.task")
-        for name in ("prompts", "sequences_per_row", "sft_batch", "loss_chunk"):
+        for name in ("prompts", "sequences_per_row", "sft_batch", "loss_chunk", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
         if self.group_size < 2:
@@ -168,7 +176,8 @@ class RLConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")
-        for name in ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon"):
+        positive = ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon")
+        for name in (*positive, "max_grad_norm", "draft_max_grad_norm"):  # 0 or less: no step
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
         full = self.batch // self.sequences_per_row

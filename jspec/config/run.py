@@ -28,5 +28,9 @@ class Config:
         self.pipeline.validate(self.model, self.mesh)
         if self.rl is not None:
             self.rl.validate()
-            self.pipeline.check_rows(self.rl.batch // self.rl.sequences_per_row)
+            rl, per_row = self.rl, self.rl.sequences_per_row
+            # A step's training rows (whole or packed) and the warm start's, each cut into the
+            # pipeline's microbatches.
+            for rows in sorted({rl.batch // per_row, rl.sft_batch // per_row, *rl.packed_rows}):
+                self.pipeline.check_rows(rows)
         return self

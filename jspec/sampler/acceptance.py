@@ -339,7 +339,7 @@ def verify(
         top_p=float(top_p),
         top_k=int(top_k),
         without_replacement=bool(without_replacement),
-        chain=_is_chain(parents),
+        chain=draft_probs is not None and _is_chain(parents),  # point masses: one walk
     )
 
 

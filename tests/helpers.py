@@ -13,7 +13,7 @@ from flax import nnx
 from jax.scipy.special import gammaincc
 
 from jspec.jobs import train_rl, trainer
-from jspec.models.block import BlockDraft
+from jspec.models.block import BlockConfig, BlockDraft, create_block
 from jspec.models.draft import Shared
 from jspec.rl.draft_loss import block_passes, draft_passes
 
@@ -59,6 +59,16 @@ def noisy_copy(model, scale: float, seed: int = 0):
         for w, k in zip(leaves, keys, strict=True)
     ]
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+def chained_block(model, block_size: int, mesh=None, seed: int = 1) -> BlockDraft:
+    """A random block draft of `model` with the chained head, its output moved away from its
+    zero start (where the head would change nothing and its input would get no gradient)."""
+    config = BlockConfig.for_target(model, block_size, chained=True)
+    draft = create_block(config, mesh=mesh, seed=seed)
+    noise = jax.random.normal(jax.random.key(seed), draft.chain_out.shape)
+    draft.chain_out[...] = draft.chain_out[...] + noise * model.hidden_size**-0.5
+    return draft
 
 
 def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: float = 1e-2):

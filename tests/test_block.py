@@ -22,6 +22,7 @@ from jspec.models.block import BlockConfig, BlockDraft, create_block
 from jspec.models.draft import Shared, check_target
 from jspec.rl.draft_loss import block_passes
 from jspec.sampler import generate
+from jspec.sampler.tree_proposal import propose_block
 
 TARGET = ModelConfig(
     vocab_size=48,
@@ -37,28 +38,35 @@ BLOCK = 4
 T = 11
 
 
-@pytest.fixture(scope="module")
-def setup():
-    """A target, a block draft of two layers (norm weights away from 1, so each norm is tested),
-    a row of tokens and the target's taps over it."""
+@pytest.fixture(scope="module", params=[False, True], ids=["parallel", "chained"])
+def setup(request):
+    """A target, a block draft of two layers (norm weights away from 1 and the chained head's
+    output away from its zero start, so each is tested), a row of tokens and the target's taps."""
     target = create(TARGET, seed=0)
-    draft = create_block(BlockConfig.for_target(TARGET, BLOCK, num_layers=2), seed=1)
+    config = BlockConfig.for_target(TARGET, BLOCK, num_layers=2, chained=request.param)
+    draft = create_block(config, seed=1)
     graphdef, state = nnx.split(draft)
     key = iter(jax.random.split(jax.random.key(2), 16))
-    bump = lambda p, x: x + 0.3 * jax.random.normal(next(key), x.shape) if "norm" in str(p) else x
+
+    def bump(path, x):
+        moved = "norm" in str(path) or "chain_out" in str(path)
+        return x + 0.3 * jax.random.normal(next(key), x.shape) if moved else x
+
     draft = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(bump, state))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, TARGET.vocab_size, (1, T)))
     _, taps = target(tokens, features="taps")
     return target, draft, tokens, taps
 
 
-def reference_block_logits(target, draft, tokens, taps, t: int) -> np.ndarray:
+def reference_block_logits(target, draft, tokens, taps, t: int, fed) -> np.ndarray:
     """Logits [BLOCK - 1, V] of the block after token t, in float64 numpy, from DFlash's
     description: the context is RMSNorm(fc(taps concatenated)) at positions 0..t; the block is the
     root (token t + 1, the target's embedding) at position t + 1 and mask embeddings after it;
     each layer's queries are the block's, its keys and values the context's then the block's,
     all seen (no mask), with q/k RMSNorm and split-half RoPE; residual MLP (SwiGLU); final norm and
-    the target's output head; position k predicts token t + 1 + k."""
+    the target's output head; position k predicts token t + 1 + k. The chained head (where the
+    draft has one) adds chain_out(silu(chain_in([final_norm(z_{k-1}), embed(fed[k - 1])]))) to
+    position k's output, z_0 the root's output."""
     f64 = lambda x: np.asarray(x, np.float64)
     c, w = TARGET, jax.tree.map(f64, nnx.to_pure_dict(nnx.state(draft)))
     eps, e = c.rms_norm_eps, c.head_dim
@@ -94,40 +102,62 @@ def reference_block_logits(target, draft, tokens, taps, t: int) -> np.ndarray:
         h = norm(x, lw["mlp_norm"])
         gate = h @ lw["w_gate"]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ lw["w_up"])) @ lw["w_down"]
+    if "chain_in" in w:
+        for k in range(1, BLOCK):
+            u = np.concatenate([norm(x[k - 1], w["final_norm"]), embed[int(fed[k - 1])]])
+            a = u @ w["chain_in"]
+            x[k] = x[k] + (a / (1 + np.exp(-a))) @ w["chain_out"]
     head = f64(Shared.of(target).head)
     return (norm(x, w["final_norm"]) @ head.T)[1:]
 
 
-@pytest.mark.parametrize("t", [0, 5, 8])
+# A tree of three levels (BLOCK - 1) with siblings at each: nodes 0, 1 below the root, 2 below 0,
+# 3 below 1, 4 below 2.
+PARENTS = (-1, -1, 0, 1, 2)
+
+
+@pytest.mark.parametrize("t", [0, 5, 7])
 def test_block_logits_match_the_numpy_reference_in_rollout_and_training(setup, t):
-    """The rollout's block forward (prefill of t + 1 tokens, then `block_logits` against the
-    draft's cache) and the training passes' block after token t both equal the reference."""
+    """The training passes' block after token t equals the reference fed the data's tokens; the
+    rollout's sampled tree (prefill of t + 1 tokens, then `propose_block` against the draft's
+    cache) draws each node from the reference's distribution at its depth, fed the tokens of the
+    path down to it (the same for siblings' children without the chained head)."""
     target, draft, tokens, taps = setup
-    want = reference_block_logits(target, draft, tokens, taps, t)
     shared = Shared.of(target)
-    rollout = draft.for_rollout()
-    cache = rollout.init_cache(1, 16)
-    prefix, root = tokens[:, : t + 1], tokens[:, t + 1]
-    out = rollout.prefill(shared, prefix, jnp.array([t + 1]), root, taps[:, :, : t + 1], cache)
-    close(rollout.block_logits(shared, root, out.cache)[0], want, rtol=2e-5)
     seg, pos = jnp.ones_like(tokens), jnp.arange(T)[None]
     passes = block_passes(draft, shared, taps, tokens, seg, pos)
     got = jnp.stack([draft.draft_logits(h, shared)[0, t] for h in passes])
-    close(got, want, rtol=2e-5)
+    close(got, reference_block_logits(target, draft, tokens, taps, t, tokens[0, t + 1 :]), 2e-5)
+
+    rollout = draft.for_rollout()
+    prefix, root = tokens[:, : t + 1], tokens[:, t + 1]
+    cache = rollout.init_cache(1, 16)
+    out = rollout.prefill(shared, prefix, jnp.array([t + 1]), root, taps[:, :, : t + 1], cache)
+    config = RolloutConfig(tree=TreeConfig(kind="static", parents=PARENTS), temperature=1.0)
+    tree = propose_block(rollout, shared, root, out.cache, jax.random.key(t), config)
+    node_tokens = np.asarray(tree.tokens[0])
+    for row, node in [(0, None), (1, 0), (2, 1), (3, 2)]:  # the root, then node i at row i + 1
+        path, depth = [int(root[0])], 0
+        while node is not None:
+            path.insert(1, int(node_tokens[node]))
+            node, depth = (PARENTS[node] if PARENTS[node] >= 0 else None), depth + 1
+        fed = path + [0] * (BLOCK - len(path))
+        want = reference_block_logits(target, draft, tokens, taps, t, fed)[depth]
+        close(tree.draft_probs[0, row], jax.nn.softmax(want), rtol=2e-5)
 
 
 def test_drafts_and_configs_it_cannot_serve_are_named_before_compiling(setup, tmp_path):
     target, draft, tokens, _ = setup
     lengths = jnp.array([3])
     bad_trees = [
-        (TreeConfig(kind="chain", depth=BLOCK), r"a chain of up to block_size - 1 = 3 tokens"),
-        (TreeConfig(kind="static", parents=(-1, 0)), r"not a static tree of depth 4; set"),
+        (TreeConfig(kind="chain", depth=BLOCK), r"trees of up to block_size - 1 = 3 levels"),
+        (TreeConfig(kind="static", parents=(-1, 0, 1, 2, 0)), r"not a static tree of 4; set"),
     ]
     for tree, message in bad_trees:
         with pytest.raises(ConfigError, match=message):
             config = RolloutConfig(max_new_tokens=4, tree=tree)
             generate(target, draft, tokens[:, :3], lengths, jax.random.key(0), config)
-    with pytest.raises(ConfigError, match=r"rollout.tree: a block draft proposes a chain of up"):
+    with pytest.raises(ConfigError, match=r"rollout.tree: a block draft proposes trees of up"):
         draft_config = DraftConfig(kind="block", block_size=3)
         RolloutConfig(draft=draft_config, tree=TreeConfig(depth=4)).validate(TARGET)
     with pytest.raises(ConfigError, match=r"rollout.draft.block_size=1 must be >= 2"):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import chi_square_p_value, distill_draft, noisy_copy
+from helpers import chained_block, chi_square_p_value, distill_draft, noisy_copy
 from jax import monitoring
 
 import jspec.sampler.acceptance as acceptance
@@ -105,6 +105,9 @@ def setup(target):
         "eagle3": distill(create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)),
         "mtp": distill(create_mtp(MTPConfig.for_target(CONFIG), seed=0)),
         "block": distill(create_block(BlockConfig.for_target(CONFIG, 4), seed=0)),
+        "chained block": distill(
+            create_block(BlockConfig.for_target(CONFIG, 4, chained=True), seed=0)
+        ),
         "external": ExternalDraft(noisy_copy(target, 0.1)),
     }
     eos = most_staggered_eos(data.tokens[:8])
@@ -131,12 +134,15 @@ def test_greedy_speculative_equals_plain(setup, kind, tree):
         assert int(np.sum(got.stats.accepted_non_first)) > 0, "no sibling but the first accepted"
 
 
-def test_greedy_with_a_block_draft_equals_plain(setup):
-    """A block draft's chain of 3 (its block of 4 drafted in one forward) gives plain greedy
-    decoding's tokens, and its later positions are accepted too."""
+@pytest.mark.parametrize(
+    "kind, tree", [("block", "chain"), ("block", "dynamic"), ("chained block", "static")]
+)
+def test_greedy_with_a_block_draft_equals_plain(setup, kind, tree):
+    """A block draft's tree of 3 levels (its block of 4 drafted in one forward, its head at each
+    level) gives plain greedy decoding's tokens, and its later positions are accepted too."""
     s = setup
-    config = greedy(eos_id=s["eos"], tree=TREES["chain"])
-    draft = s["drafts"]["block"]
+    config = greedy(eos_id=s["eos"], tree=TREES[tree])
+    draft = s["drafts"][kind]
     got = generate(s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1), config)
     np.testing.assert_array_equal(got.lengths, s["plain"].lengths)
     np.testing.assert_array_equal(got.tokens, s["plain"].tokens)
@@ -417,13 +423,17 @@ def test_sampling_with_an_mtp_head_is_lossless(small):
     check_lossless((target, head), case, TRIALS)
 
 
-def test_sampling_with_a_block_draft_is_lossless(small):
+@pytest.mark.parametrize("chained", [False, True], ids=["parallel", "chained"])
+def test_sampling_with_a_block_draft_is_lossless(small, chained):
     """A random block draft (its block of 3 drafted in one forward from the target's taps, each
-    node drawn from its position's distribution) proposing a sampled chain at temperature 1."""
+    node drawn from its depth's distribution, which the chained head makes depend on the node's
+    parent) proposing a sampled chain, or with the chained head a tree with siblings, at
+    temperature 1."""
     target = small[0]
-    draft = create_block(BlockConfig.for_target(SMALL, 3), seed=2)
-    case = dict(temperature=1.0, top_p=1.0, tree=TreeConfig(kind="chain", depth=2, sampled=True))
-    check_lossless((target, draft), case, TRIALS)
+    plain = lambda: create_block(BlockConfig.for_target(SMALL, 3), seed=2)
+    draft = chained_block(SMALL, 3, seed=2) if chained else plain()
+    tree = TreeConfig(kind="static", parents=(-1, -1, 0, 1)) if chained else TreeConfig(depth=2)
+    check_lossless((target, draft), dict(temperature=1.0, top_p=1.0, tree=tree), TRIALS)
 
 
 def test_lossless_through_the_pallas_decode_kernel(small):

@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import COMPARED, close, close_trees, collective_lines, loop, random_rollouts
+from helpers import (
+    COMPARED,
+    chained_block,
+    close,
+    close_trees,
+    collective_lines,
+    loop,
+    random_rollouts,
+)
 
 from jspec import mesh as mesh_lib
 from jspec.config import (
@@ -148,6 +156,7 @@ ROLLOUT = RolloutConfig(temperature=0.7, eos_id=1)
 DRAFTS = {  # drafts that read the taps, which cross the stages on the TapChannel
     "eagle3": lambda mesh: create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1),
     "block": lambda mesh: create_block(BlockConfig.for_target(MODEL, 4), mesh=mesh, seed=1),
+    "chained block": lambda mesh: chained_block(MODEL, 4, mesh=mesh),
 }
 
 

@@ -16,7 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import COMPARED, LOOP, close, close_trees, count_dots, loop, random_rollouts
+from helpers import (
+    COMPARED,
+    LOOP,
+    chained_block,
+    close,
+    close_trees,
+    count_dots,
+    loop,
+    random_rollouts,
+)
 from learning import assert_updates_follow_rewards, recorded_loop
 
 from jspec import config as config_lib
@@ -57,6 +66,7 @@ DRAFTS = {  # the co-trained draft kinds, for MODEL
     "eagle3": lambda mesh: create_eagle3(Eagle3Config.for_target(MODEL, 48), mesh=mesh, seed=1),
     "mtp": lambda mesh: create_mtp(MTPConfig.for_target(MODEL), mesh=mesh, seed=1),
     "block": lambda mesh: create_block(BlockConfig.for_target(MODEL, 4), mesh=mesh, seed=1),
+    "chained block": lambda mesh: chained_block(MODEL, 4, mesh=mesh),
 }
 
 
@@ -119,6 +129,7 @@ def loss_and_gradients(context: int, kind: str = "eagle3"):
         (2, "mtp"),
         (2, "block"),
         (4, "block"),
+        (2, "chained block"),
         pytest.param(4, "eagle3", marks=pytest.mark.slow),
     ],
 )

@@ -150,35 +150,38 @@ def test_an_mtp_head_trained_with_the_target_ships_from_the_first_step(tmp_path)
 
 
 def test_a_block_draft_is_trained_and_saved_in_dflashs_layout(tmp_path):
-    """--draft-kind block: the draft stage trains a block draft on the frozen target and writes
-    block/ in DFlash's layout, which RL reads as rollout.draft.path and the rollout benchmark with
-    chains (the layout's round trip is tests/test_block.py's). The run directory already holds
-    an EAGLE-3 draft of the same target: both stay, report.json says the steps, seconds and
-    agreement of each, and the benchmark runs either (`--draft-kind`; by default the latest).
-    The block draft trains for a time (`--draft-minutes`), here less than one step takes: it
-    stops after its first step past the compiling one."""
+    """--draft-kind block-chained: the draft stage trains a block draft with the chained head on
+    the frozen target and writes block-chained/ in DFlash's layout, which RL reads as
+    rollout.draft.path and the rollout benchmark with its default trees (the layout's round trip
+    is tests/test_block.py's). The run directory already holds an EAGLE-3 draft of the same
+    target: both stay, report.json says the steps, seconds and agreement of each, and the
+    benchmark runs either (`--draft-kind`; by default the latest). The block draft trains for a
+    time (`--draft-minutes`), here less than one step takes: it stops after its first step past
+    the compiling one."""
     train_code_lm.main([*ARGS, "--run-dir", str(tmp_path)])
-    block = ["--draft-kind", "block", "--draft-minutes", "1e-4"]
+    block = ["--draft-kind", "block-chained", "--draft-minutes", "1e-4"]
     train_code_lm.main([*ARGS, *block, "--run-dir", str(tmp_path)])
     target = hf.load(tmp_path / "target")
-    config = DraftConfig(kind="block", path=str(tmp_path / "block"))
+    config = DraftConfig(kind="block", path=str(tmp_path / "block-chained"))
     draft_factory.check_config(config, target.config)
-    assert draft_factory.from_config(config, target).config.block_size == 8
+    loaded = draft_factory.from_config(config, target).config
+    assert loaded.block_size == 8 and loaded.chained
     argv = ["--trained", str(tmp_path), "--temperature", "1", "--prompt-len", "16"]
     bench = bench_rollout.parse_args(argv)
-    assert bench.trees == ["sampled chain 4", "sampled chain 6"]  # the chains a block proposes
+    assert bench.trees == list(bench_rollout.DEFAULT_TREES[True])
     _, draft, _ = bench_rollout.trained(bench, dtype="float32")  # the rollout benchmark reads it
-    assert isinstance(draft, BlockDraft)
+    assert isinstance(draft, BlockDraft) and draft.config.chained
     report = json.loads((tmp_path / "report.json").read_text())
-    assert sorted(report["drafts"]) == ["block", "eagle3"]
-    assert report["drafts"]["block"]["draft_top1_agreement"] == report["draft_top1_agreement"]
+    assert sorted(report["drafts"]) == ["block-chained", "eagle3"]
+    agreement = report["drafts"]["block-chained"]["draft_top1_agreement"]
+    assert agreement == report["draft_top1_agreement"]
     steps = {kind: d["draft_steps"] for kind, d in report["drafts"].items()}
-    assert steps == {"eagle3": 4, "block": 2}
+    assert steps == {"eagle3": 4, "block-chained": 2}
     assert all(d["draft_seconds"] > 0 for d in report["drafts"].values())
     eagle3 = bench_rollout.parse_args([*argv, "--draft-kind", "eagle3"])
     assert bench_rollout.provenance(eagle3)["draft_kind"] == "eagle3"
     assert not isinstance(bench_rollout.trained(eagle3, dtype="float32")[1], BlockDraft)
-    with pytest.raises(ConfigError, match=r"--draft-kind mtp: .* holds block, eagle3|holds eagle3"):
+    with pytest.raises(ConfigError, match=r"--draft-kind mtp: .* holds eagle3, block-chained"):
         bench_rollout.provenance(bench_rollout.parse_args([*argv, "--draft-kind", "mtp"]))
 
 

@@ -79,7 +79,7 @@ def parse_args(argv=None):
         default=None,
         metavar="NAME",
         help=f"the draft trees timed, of {', '.join(map(repr, TREES))}; default: "
-        f"{DEFAULT_TREES[True]} above T=0, {DEFAULT_TREES[False]} at 0 (block drafts: chains)",
+        f"{DEFAULT_TREES[True]} above T=0, {DEFAULT_TREES[False]} at 0",
     )
     p.add_argument(
         "--draft-vocab",
@@ -129,7 +129,7 @@ def parse_args(argv=None):
     cli.add_compilation_cache_argument(p)  # kinds of draft timed one after another share programs
     p.add_argument("--out", default="bench_rollout.json")
     args = p.parse_args(argv)
-    args.trees = args.trees or list(default_trees(args))
+    args.trees = args.trees or list(DEFAULT_TREES[args.temperature > 0])
     return args
 
 
@@ -191,15 +191,6 @@ DEFAULT_TREES = {
     True: ("sampled chain 4", "sampled dynamic 8"),
     False: ("chain 4", "dynamic 8 (SGLang)"),
 }
-CHAIN_TREES = {True: ("sampled chain 4", "sampled chain 6"), False: ("chain 4", "chain 6")}
-
-
-def default_trees(args) -> tuple[str, ...]:
-    """`DEFAULT_TREES` at the run's temperature; chains only for a block draft (`--trained` of
-    a `--draft-kind block` run), which proposes nothing else."""
-    run = args.trained and pathlib.Path(args.trained)
-    block = bool(run) and trained_run.draft_kind(run, args.draft_kind) == "block"
-    return (CHAIN_TREES if block else DEFAULT_TREES)[args.temperature > 0]
 
 
 def timed_trees(args) -> dict[str, TreeConfig]:

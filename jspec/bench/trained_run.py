@@ -1,7 +1,7 @@
 """A run directory of `jspec.jobs.train_code_lm`, as the benchmarks read it: its target, the draft
-of one kind (a run directory may hold an EAGLE-3 draft, an MTP head and a block draft of one
-target), held-out prompts, and where that draft came from (its steps, training seconds and
-held-out agreement), which every speedup is quoted with.
+of one kind (a run directory may hold an EAGLE-3 draft, an MTP head and block drafts, with and
+without the chained head, of one target), held-out prompts, and where that draft came from (its
+steps, training seconds and held-out agreement), which every speedup is quoted with.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jspec.config import ConfigError
 from jspec.models import hf, hf_block, hf_eagle3, hf_mtp
 from jspec.tokenizers import HFTokenizer
 
-DRAFT_DIRS = {"eagle3": "draft", "mtp": "mtp", "block": "block"}
+DRAFT_DIRS = {"eagle3": "draft", "mtp": "mtp", "block": "block", "block-chained": "block-chained"}
 
 
 def _report(run: pathlib.Path) -> dict:
@@ -65,8 +65,9 @@ def load(run: pathlib.Path, kind: str, prompt_len: int, count: int, dtype: str =
     target = hf.load(run / "target", dtype=dtype)
     if kind == "mtp":  # the head beside the target, in MiMo's layout
         draft = hf_mtp.load(run / "mtp", target.config)
-    elif kind == "block":  # DFlash's layout
-        draft = hf_block.load(run / "block", target.config, target_embedding=target.embed[...])
+    elif kind.startswith("block"):  # DFlash's layout
+        path = run / DRAFT_DIRS[kind]
+        draft = hf_block.load(path, target.config, target_embedding=target.embed[...])
     else:
         draft, _ = hf_eagle3.load(run / "draft", dtype=dtype)
     tok = HFTokenizer(run / "tokenizer.json", _report(run)["eos_token"])

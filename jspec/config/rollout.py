@@ -53,6 +53,16 @@ class TreeConfig:
         return self.sampled and temperature > 0
 
     @property
+    def levels(self) -> int:
+        """Levels below the root (a static tree's deepest node's depth)."""
+        if self.kind != "static":
+            return self.depth
+        depth: list[int] = []
+        for p in self.parents or ():
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
+
+    @property
     def num_nodes(self) -> int:
         if self.kind == "static":
             return len(self.parents or ())
@@ -110,8 +120,9 @@ class DraftConfig:
     directory holding its head in MiMo's layout, `jspec.models.hf_mtp`) or randomly initialised.
     'block': a block draft (DFlash style, `jspec.models.block`) on the target's taps, sharing its
     embedding and output head, from `path` (DFlash's layout, `jspec.models.hf_block`) or randomly
-    initialised with `block_layers` decoder layers: it predicts `block_size` - 1 tokens in one
-    forward, proposed as a chain (`rollout.tree.kind` 'chain' of depth up to `block_size` - 1).
+    initialised with `block_layers` decoder layers (the chained head with `block_chained`): it
+    predicts `block_size` - 1 tokens in one forward, proposed as a tree of up to `block_size` - 1
+    levels.
     'external': a small decoder sharing the target's tokenizer, from `path` (a Hugging Face
     checkpoint) or randomly initialised as `model`.
     'none': plain decoding. A loaded EAGLE-3 draft that carries its own copy of the target's
@@ -126,6 +137,7 @@ class DraftConfig:
     allow_other_target: bool = False
     block_size: int = 8
     block_layers: int = 1
+    block_chained: bool = False
 
     def validate(self, where: str = "rollout.draft") -> None:
         choice(f"{where}.kind", self.kind, _DRAFT_KINDS)
@@ -148,13 +160,13 @@ class DraftConfig:
 
 
 def check_block_tree(tree: TreeConfig, block_size: int, where: str = "rollout.tree") -> None:
-    """Raises ConfigError unless a block draft of `block_size` positions can fill `tree`: a chain
-    of at most block_size - 1 nodes (its predicted positions, in order)."""
-    if tree.kind != "chain" or tree.depth > block_size - 1:
+    """Raises ConfigError unless a block draft of `block_size` positions can fill `tree`: a tree
+    of at most block_size - 1 levels (its predicted positions, in order)."""
+    if tree.levels > block_size - 1:
         raise ConfigError(
-            f"{where}: a block draft proposes a chain of up to block_size - 1 = {block_size - 1} "
-            f"tokens, not a {tree.kind} tree of depth {tree.depth}; set {where}.kind=chain and "
-            f"{where}.depth <= {block_size - 1}, or raise rollout.draft.block_size."
+            f"{where}: a block draft proposes trees of up to block_size - 1 = {block_size - 1} "
+            f"levels, not a {tree.kind} tree of {tree.levels}; set {where} shallower, or raise "
+            "rollout.draft.block_size."
         )
 
 

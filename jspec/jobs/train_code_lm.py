@@ -20,7 +20,8 @@ No model hub is reachable from the GPU machines; the `.py` files of the Python i
      the tokenizer (`train_rl rl.policy=RUN_DIR` starts RL from it), draft/ in the public EAGLE-3
      layout, or mtp/: the target again with its head beside it in MiMo's layout, a policy that
      ships its head (`rl.policy=RUN_DIR/mtp rollout.draft.kind=mtp rollout.draft.path=RUN_DIR/mtp`),
-     or block/ in DFlash's layout (`rollout.draft.kind=block rollout.draft.path=RUN_DIR/block`).
+     or block/ in DFlash's layout (`rollout.draft.kind=block rollout.draft.path=RUN_DIR/block`;
+     block-chained/ with `--draft-kind block-chained`, the chained head of `jspec.models.block`).
      Run again with another --draft-kind on the same RUN_DIR, the target stage is loaded and the
      new draft trained beside the others; report.json's `drafts` lists each one's steps, seconds
      and agreement.
@@ -101,11 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--learning-rate", type=float, default=6e-4)
     p.add_argument(
         "--draft-kind",
-        choices=("eagle3", "mtp", "block"),
+        choices=("eagle3", "mtp", "block", "block-chained"),
         default="eagle3",
         help="the draft trained on the frozen target: EAGLE-3 (its taps), an MTP head (its final "
         "hidden state, its embedding and output head) or a block draft (DFlash style: its taps, "
-        "a block of 8 in one forward)",
+        "a block of 8 in one forward; block-chained: with the chained head)",
     )
     p.add_argument(
         "--mtp-weight",
@@ -405,9 +406,10 @@ def stages(args, cfg, mesh, run: pathlib.Path) -> tuple[Stage, Stage]:
             hf_mtp.save(path, head)
 
         return target, train_draft("mtp", ship, lambda path: hf_mtp.load(path, cfg, mesh))
-    if args.draft_kind == "block":
+    if args.draft_kind.startswith("block"):
         save = lambda path, draft: hf_block.save(path, draft, cfg)
-        return target, train_draft("block", save, lambda path: hf_block.load(path, cfg, mesh=mesh))
+        load = lambda path: hf_block.load(path, cfg, mesh=mesh)
+        return target, train_draft(args.draft_kind, save, load)
     return target, train_draft("draft", hf_eagle3.save, lambda path: hf_eagle3.load(path, mesh)[0])
 
 
@@ -461,8 +463,9 @@ def train_models(args, cfg, run: pathlib.Path, mesh, corpus: Corpus, loops, limi
     limits.check(before="the draft's stage")  # the target's last step ended past a limit
     if draft_stage.name == "mtp":
         draft = head
-    elif draft_stage.name == "block":
-        draft = create_block(BlockConfig.for_target(cfg), mesh=mesh)
+    elif draft_stage.name.startswith("block"):
+        chained = draft_stage.name == "block-chained"
+        draft = create_block(BlockConfig.for_target(cfg, chained=chained), mesh=mesh)
     else:
         draft = create_eagle3(Eagle3Config.for_target(cfg), mesh=mesh)
     draft = run_stage(run, draft_stage, draft, batches, mesh, loops[draft_stage], target)

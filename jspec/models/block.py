@@ -27,8 +27,19 @@ cross-entropy against the detached policy at the sampling temperature, a mean pe
 summed with weights decay**(k - 1), as the EAGLE-3 co-training loss does. Bidirectional attention
 within a block is one `jspec.attention.Branch`: the block's positions are a chain of nodes anchored
 at the context's last token, and every query of the block belongs to the chain's last node, which
-sees the whole chain (so context parallelism and the ring come for free). The proposals are a
-chain only (no tree: a position's distribution does not depend on the tokens drawn before it).
+sees the whole chain (so context parallelism and the ring come for free).
+
+The chained head (`chained=True`, jspec's own; Hydra's sequentially dependent heads in spirit). In
+one forward a position's distribution cannot depend on the tokens drawn before it, so at
+temperature 1 each is drawn from its marginal and a chain rarely survives its second token. The
+chained head makes the block's output at position k depend on the token drawn at k - 1:
+z_0 = h_0 (the root's output), z_k = h_k + chain_out(silu(chain_in([final_norm(z_{k-1}),
+embed(x_{k-1})]))), logits_k = head(final_norm(z_k)), with x_0 the root; `chain_out` starts at
+zero, so a fresh chained draft starts as the parallel one. It costs a small MLP and the output
+head per tree level (the layers still run once per block), and training feeds the data's tokens
+as x (teacher forcing). Either head proposes any tree kind of depth up to block_size - 1
+(`jspec.sampler.tree_proposal.propose_block`): without the chained head, siblings are drawn from
+the same marginal, a Medusa-style tree.
 
 Checkpoints: `jspec.models.hf_block` reads and writes DFlash's layout where it maps (a draft of
 three target layers; DFlash taps layer outputs, jspec layer inputs, one layer apart; the mask
@@ -68,15 +79,17 @@ from jspec.models.transformer import TRAIN_ACT, Block, create_sharded
 class BlockConfig:
     """A block draft: `layer` is the shape of its decoder layers (`layer.num_layers` of them, the
     target's width, heads, MLP, RoPE and vocabulary, q/k norms as DFlash's Qwen3 layers);
-    `block_size` positions per forward (the root and block_size - 1 predicted tokens)."""
+    `block_size` positions per forward (the root and block_size - 1 predicted tokens); `chained`:
+    the chained head (module docstring)."""
 
     layer: ModelConfig
     block_size: int = 8
     num_taps: int = 3
+    chained: bool = False
 
     @classmethod
     def for_target(
-        cls, target: ModelConfig, block_size: int = 8, num_layers: int = 1
+        cls, target: ModelConfig, block_size: int = 8, num_layers: int = 1, chained: bool = False
     ) -> BlockConfig:
         """The usual draft of a target: its layer shape, `num_layers` dense layers."""
         layer = dataclasses.replace(
@@ -87,7 +100,7 @@ class BlockConfig:
             num_experts=0,
             mlp_only_layers=(),
         )
-        return cls(layer=layer, block_size=block_size)
+        return cls(layer=layer, block_size=block_size, chained=chained)
 
     def validate(self) -> None:
         self.layer.validate("draft")
@@ -137,6 +150,9 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         self.mask = p((d,), ("embed",), fan_in=d)  # the masked positions' embedding
         self.layers = Block(c, c.num_layers, rngs=rngs)
         self.final_norm = p((d,), ("norm",), fan_in=None)
+        if config.chained:
+            self.chain_in = p((2 * d, d), (None, "embed"), fan_in=2 * d)
+            self.chain_out = nnx.Param(jnp.zeros((d, d), c.param_dtype), axes=(None, "embed"))
         self.rollout_layers = nnx.data(None)  # set by `for_rollout`: the layers, sliced once
 
     @property
@@ -185,6 +201,19 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         head = shared.head.astype(x.dtype)
         return jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
 
+    def chain(
+        self, shared: Shared, h: Float[Array, "*b d"], z_prev: Float[Array, "*b d"], tokens
+    ) -> Float[Array, "*b d"]:
+        """The chained head's z_k from the block's output h_k, z_{k-1} and the token x_{k-1}
+        (module docstring); h_k itself without the chained head."""
+        if not self.config.chained:
+            return h
+        w = lambda p: p[...].astype(self._dtype)
+        eps = self.config.layer.rms_norm_eps
+        prev = layers.rms_norm(z_prev, self.final_norm[...], eps)
+        u = jnp.concatenate([prev, lookup(shared.embed, tokens).astype(self._dtype)], axis=-1)
+        return h + jax.nn.silu(u @ w(self.chain_in)) @ w(self.chain_out)
+
     def _layers(self) -> list[Block]:
         if self.rollout_layers is not None:
             return list(self.rollout_layers)
@@ -217,11 +246,11 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         empty = jnp.zeros((b, 0), jnp.float32)
         return DraftOut(empty, empty, cache.append(k, v, count))
 
-    def block_logits(
+    def block_hidden(
         self, shared: Shared, root: Int[Array, " b"], cache: KVCache, *, kernels: Kernels = None
-    ) -> Float[Array, "b k v"]:
-        """Logits of the block's predicted positions [B, block_size - 1, V] after the root (at
-        the position after the cache's last slot), in one forward."""
+    ) -> Float[Array, "b k d"]:
+        """The layers' outputs at the block's positions [B, block_size, D] (the root, at the
+        position after the cache's last slot, then the masks), in one forward."""
         b, n = root.shape[0], self.config.block_size
         j = jnp.arange(n, dtype=jnp.int32)
         cos_sin = layers.rope_angles(self.config.layer, cache.length[:, None] + j)
@@ -234,7 +263,7 @@ class BlockDraft(TargetVocabulary, nnx.Module):
             cache, i, Branch(q, k, v, **chain), self.mesh, kernels
         )
         x_BND = jnp.swapaxes(self.block_inputs(shared, root), 0, 1)
-        return self.draft_logits(self.forward(x_BND, cos_sin, attend)[:, 1:], shared)
+        return self.forward(x_BND, cos_sin, attend)
 
     def for_rollout(self) -> BlockDraft:
         """A copy for a loop of rollout steps: the layers sliced out of their stack once, every
@@ -249,7 +278,7 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         check_block_config(self.config, target)
 
     def check_tree(self, tree: TreeConfig, where: str = "rollout.tree") -> None:
-        """Raises ConfigError unless `tree` is a chain this draft's block can fill."""
+        """Raises ConfigError unless this draft's block is deep enough for `tree`."""
         check_block_tree(tree, self.config.block_size, where)
 
 

@@ -82,7 +82,9 @@ def from_config(config, target: Transformer, *, mesh: Mesh | None = None, seed: 
             config.path, target.config, mesh=mesh, target_embedding=target.embed[...]
         )
     elif config.kind == "block":
-        block = BlockConfig.for_target(target.config, config.block_size, config.block_layers)
+        block = BlockConfig.for_target(
+            target.config, config.block_size, config.block_layers, config.block_chained
+        )
         draft = create_block(block, mesh=mesh, seed=seed)
     elif config.path is not None:
         draft = ExternalDraft(hf.load(config.path, mesh=mesh, **run))

@@ -15,6 +15,8 @@ The layout: config.json is a Qwen3 config of the draft's layers (`num_hidden_lay
 - DFlash's mask is the target's embedding row `mask_token_id`; jspec's is the draft's own vector,
   written as `mask_embedding` (a tensor DFlash's code does not read), and read from there, or else
   from that row of the target's embedding.
+- jspec's chained head (`BlockConfig.chained`) is written as `chain_in.weight` and
+  `chain_out.weight` with `chained_head: true` in config.json; DFlash's code knows neither.
 - Anything else is refused by name: tensors this draft does not hold (DFlash2's convolutions and
   candidate selector, attention biases), sliding-window or causal layers, and logit scaling.
 """
@@ -38,11 +40,14 @@ from jspec.models.block import BlockConfig, BlockDraft
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK = "mask_embedding"
+CHAINED = "chained_head"
 _KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
     ("fc",): ("fc.weight", 1),
     ("hidden_norm",): ("hidden_norm.weight", None),
     ("mask",): (MASK, None),
     ("final_norm",): ("norm.weight", None),
+    ("chain_in",): ("chain_in.weight", 1),
+    ("chain_out",): ("chain_out.weight", 1),
     **{
         ("layers", *path): (key.removeprefix("model."), n_in)
         for path, (key, n_in) in hf._LAYER_KEYS.items()
@@ -96,7 +101,8 @@ def config_from_json(hf_config: dict[str, Any], target: ModelConfig, root="") ->
             "of three target layers."
         )
     size = int(dflash.get("block_size", hf_config.get("block_size", 16)))
-    return BlockConfig.for_target(target, size, num_layers=layer.num_layers)
+    chained = bool(hf_config.get(CHAINED, False))
+    return BlockConfig.for_target(target, size, num_layers=layer.num_layers, chained=chained)
 
 
 def load(
@@ -154,6 +160,8 @@ def _check_tensors(root: pathlib.Path, found: set[str], config: BlockConfig) -> 
     known = {MASK} | {
         key.format(i=i) for key, _ in _KEYS.values() for i in range(config.layer.num_layers)
     }
+    if not config.chained:
+        known -= {"chain_in.weight", "chain_out.weight"}
     if unknown := sorted(found - known):
         raise hf.CheckpointError(
             f"the DFlash draft at {root} has tensors jspec's block draft does not hold: "
@@ -189,6 +197,7 @@ def save(path: str | pathlib.Path, draft: BlockDraft, target: ModelConfig) -> No
         "block_size": size,
         "num_target_layers": target.num_layers,
         "dflash_config": dflash,
+        **({CHAINED: True} if draft.config.chained else {}),
     }
     (root / hf.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, root / hf.SINGLE, metadata={"format": "pt"})

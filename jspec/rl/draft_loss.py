@@ -177,7 +177,8 @@ def block_passes(
     """A block draft's output hidden states at its predicted positions k = 1 .. block_size - 1,
     natural order, of the block after every trunk token t: the root token t + 1 at position
     pos[t] + 1, masks after it, seeing the context up to t and the whole block (a chain of
-    nodes anchored at t whose last node every query of the block belongs to)."""
+    nodes anchored at t whose last node every query of the block belongs to), through the
+    chained head where the draft has one."""
     layout = _Layout(segment_ids, mesh)
     n, cfg = draft.config.block_size, draft.config.layer
     pos = layout.shard(positions)
@@ -191,7 +192,12 @@ def block_passes(
         return layout.attend(None, k0, v0, pos, layout.pass_branch(q, k, v))[1]
 
     out = layout.unstack(layout.split(draft.forward(x, cos_sin, attend)), n)
-    return [layout.unshard(h) for h in out[1:]]
+    h = [layout.unshard(h) for h in out]
+    z, zs = h[0], []
+    for k in range(1, n):  # the chained head fed the data's token k - 1 of the block
+        z = draft.chain(shared, h[k], z, shift(tokens, k, 0))
+        zs.append(z)
+    return zs
 
 
 def pass_targets(

@@ -106,4 +106,6 @@ class Sampler:
         return policy, draft if speculative else None, put(prompts), put(prompt_lengths), key
 
     def close(self) -> None:
-        self._thread.shutdown()
+        """Waits for the rollout running now; rollouts dispatched ahead and not begun are dropped
+        (a stopped run does not compute steps it will not train)."""
+        self._thread.shutdown(cancel_futures=True)

@@ -1,7 +1,8 @@
 """The draft's token tree below the root: a chain, a static tree, EAGLE-2's dynamic tree or its
-sampled form, each level one `tree_step` of the draft (an EAGLE-3 head or an MTP module), drawn as
+sampled form, each level one `tree_step` of the draft (an EAGLE-3 head or an MTP module), or of a
+block draft's head over the block it computed in one forward (`propose_block`), drawn as
 `jspec.sampler.tree` builds it so that `verify` gets the very distributions its nodes came from.
-`draft_tree` is any draft's proposal (a block draft's: `jspec.sampler.block_proposal`)."""
+`draft_tree` is any draft's proposal."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from jaxtyping import Array, Float, Int
 
 from jspec.config import RolloutConfig, TreeConfig
 from jspec.models.block import BlockDraft
-from jspec.models.cache import TreeKV
+from jspec.models.cache import KVCache, TreeKV
 from jspec.models.draft import Draft, DraftOut, Shared
-from jspec.sampler.block_proposal import propose_block
 from jspec.sampler.tree import (
     StaticTree,
     Tree,
@@ -40,9 +40,7 @@ def _static_shape(tree: TreeConfig) -> StaticTree:
 
 def tree_depth(tree: TreeConfig, draft) -> int:
     """Levels of the draft's tree below the root; 0 without a draft (plain decoding)."""
-    if draft is None:
-        return 0
-    return tree.depth if tree.kind != "static" else int(_static_shape(tree).depth.max())
+    return 0 if draft is None else tree.levels
 
 
 def _tree_capacity(tree: TreeConfig, sampled: bool) -> int:
@@ -75,8 +73,7 @@ def draft_tree(
 def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutConfig) -> Tree:
     """The draft's tree below the root, as `config.tree` describes it."""
     tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
-    b = root.logits.shape[0]
-    frontier = tc.top_k if tc.kind == "dynamic" and not sampled else 1
+    b, frontier = root.logits.shape[0], _first_frontier(config)
     carry = _TreeCarry(
         hidden=jnp.broadcast_to(root.hidden[:, None], (b, frontier, root.hidden.shape[-1])),
         tree=draft.empty_tree(b, max(_tree_capacity(tc, sampled), 1)),
@@ -102,16 +99,29 @@ def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutCo
         offset = carry.offset + frontier.tokens.shape[1]
         return logits, _TreeCarry(hidden, tree, offset, carry.offset)
 
+    return grow_tree(config, root.logits, step, carry, key)
+
+
+def _first_frontier(config: RolloutConfig) -> int:
+    """Nodes of the tree's first level that get expanded together: EAGLE-2's top_k, else 1."""
+    tc = config.tree
+    return tc.top_k if tc.kind == "dynamic" and not tc.sampled_at(config.temperature) else 1
+
+
+def grow_tree(config: RolloutConfig, root_logits, step, carry, key) -> Tree:
+    """The tree `config.tree` describes, grown from the draft's `root_logits` by `step` (as
+    `jspec.sampler.tree`'s builders call it); `key` draws a sampled tree's nodes."""
+    tc, sampled = config.tree, config.tree.sampled_at(config.temperature)
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     if tc.kind != "dynamic":
         shape, key = _static_shape(tc), key if sampled else None
-        return build_static_tree(shape, root.logits, step, carry, key=key, **sampling)[0]
+        return build_static_tree(shape, root_logits, step, carry, key=key, **sampling)[0]
     if not sampled:
         return build_dynamic_tree(
-            root.logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
+            root_logits, step, carry, top_k=tc.top_k, depth=tc.depth, total_tokens=tc.total_tokens
         )[0]
     return build_sampled_dynamic_tree(
-        root.logits,
+        root_logits,
         step,
         carry,
         key=key,
@@ -120,3 +130,34 @@ def propose(draft: Draft, shared: Shared, root: DraftOut, key, config: RolloutCo
         total_tokens=tc.total_tokens,
         **sampling,
     )[0]
+
+
+def propose_block(
+    draft: BlockDraft,
+    shared: Shared,
+    root: Int[Array, " b"],
+    cache: KVCache,
+    key,
+    config: RolloutConfig,
+) -> Tree:
+    """A block draft's tree below each row's root (its `cache` holds the context before it): the
+    block's layers run once; a node at depth d is drawn from the head at block position d, which
+    the chained head feeds the node's parent (`BlockDraft.chain`); without it every node of a
+    depth has the same distribution, computed for all depths at once."""
+    h_BKD = draft.block_hidden(shared, root, cache, kernels=config.kernels)
+    if not draft.config.chained:
+        logits = draft.draft_logits(h_BKD[:, 1:], shared)
+        v = logits.shape[-1]
+        at = lambda tokens, depth: jnp.broadcast_to(logits[:, depth][:, None], (*tokens.shape, v))
+        step = lambda frontier, carry: (at(frontier.tokens, frontier.depth), carry)
+        return grow_tree(config, logits[:, 0], step, None, key)
+
+    def step(frontier, z_BMD):
+        slot = jnp.maximum(frontier.parent_slot, 0)[..., None]
+        z_prev = jnp.take_along_axis(z_BMD, slot, axis=1)
+        z = draft.chain(shared, h_BKD[:, frontier.depth + 1][:, None], z_prev, frontier.tokens)
+        return draft.draft_logits(z, shared), z
+
+    z_BD = draft.chain(shared, h_BKD[:, 1], h_BKD[:, 0], root)
+    z_BMD = jnp.broadcast_to(z_BD[:, None], (z_BD.shape[0], _first_frontier(config), z_BD.shape[1]))
+    return grow_tree(config, draft.draft_logits(z_BD[:, None], shared)[:, 0], step, z_BMD, key)

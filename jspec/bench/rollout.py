@@ -424,12 +424,13 @@ def compare_backends(model, prompts, rows: int, args) -> tuple[dict, dict]:
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes of weights a decode step reads: each floating weight in the compute dtype (the rollout
-    copy's), the input embedding left out unless it is the head (a step gathers a row of it)."""
-    c, leaves = model.config, jax.tree.leaves_with_path(nnx.state(model))
-    read = [x for p, x in leaves if c.tie_embeddings or p[0].key != "embed"]
-    floating = [x for x in read if jnp.issubdtype(x.dtype, jnp.floating)]
-    return sum(x.size * jnp.dtype(c.dtype).itemsize for x in floating)
+    """Bytes of weights a decode step reads: the rollout copy's (`Transformer.for_rollout`: in the
+    compute dtype, input norms folded into the products) layers, final norm and head; the input
+    embedding left out unless it is the head (a step gathers a row of it)."""
+    rollout = nnx.eval_shape(lambda m: m.for_rollout(), model)
+    head = rollout.embed if model.config.tie_embeddings else rollout.unembed
+    read = nnx.state(nnx.List([*rollout.unstacked, rollout.final_norm, head]))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(read))
 
 
 def memory_floor(cfg, batch: int, weight_bytes: int, args) -> float:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from jspec.config import ModelConfig
 
@@ -29,9 +29,21 @@ def init_param(rngs: nnx.Rngs | None, shape, axes, dtype, fan_in: int | None) ->
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """RMSNorm over the last axis in float32, rounded back before the weight (as Hugging Face)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x.astype(jnp.float32) * inverse_rms(x, eps)
     return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def inverse_rms(x: Array, eps: float) -> Float[Array, "... 1"]:
+    """1 / RMS(x) over the last axis, in float32 (RMSNorm's scale of each vector)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def scaled(y: Array, scale: Array | None) -> Array:
+    """y [B, T, ...] times a per-token `scale` [B, T, 1] (None: y), in y's dtype."""
+    if scale is None:
+        return y
+    return (y * scale.reshape(*scale.shape[:2], *(1,) * (y.ndim - 2))).astype(y.dtype)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -99,14 +111,17 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     return layer
 
 
-def attention_sublayer(h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps):
-    """Projections (`w_qkv`: see `project_qkv`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
+def attention_sublayer(
+    h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps, input_scale=None
+):
+    """Projections (`w_qkv`: see `project_qkv`) times `input_scale` [B,T,1] if given (an input
+    norm folded into them: `fold_input_norms`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
     output projection (`wo` [H,E,D], or [D,H,E] beside a fused `w_qkv`: `fuse_products`).
 
     Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
     attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
     """
-    q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv)
+    q_BTHE, k_BTKE, v_BTKE = (scaled(y, input_scale) for y in project_qkv(h_BTD, w_qkv))
     if q_norm is not None:
         q_BTHE = rms_norm(q_BTHE, q_norm, eps)
         k_BTKE = rms_norm(k_BTKE, k_norm, eps)
@@ -128,17 +143,36 @@ def project_qkv(h_BTD, w_qkv):
     return qkv[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qkv[:, :, :, -2], qkv[:, :, :, -1]
 
 
-def swiglu(h_BTD, w_in, w_down):
+def swiglu(h_BTD, w_in, w_down, input_scale=None):
     """The SwiGLU MLP of Llama and Qwen; `w_in` is (w_gate, w_up) [D,F] and `w_down` [F,D], or
-    the rollout's layout (`fuse_products`): the two stacked [2, F, D], and `w_down` [D,F]."""
+    the rollout's layout (`fuse_products`): the two stacked [2, F, D], and `w_down` [D,F]; the
+    gate and up products times `input_scale` [B,T,1] if given (`fold_input_norms`)."""
     if isinstance(w_in, tuple):
-        g_BTF, u_BTF = (jnp.einsum("btd,df->btf", h_BTD, w) for w in w_in)
+        g_BTF, u_BTF = (scaled(jnp.einsum("btd,df->btf", h_BTD, w), input_scale) for w in w_in)
         down = "btf,fd->btd"
     else:
-        gu = jnp.einsum("btd,cfd->btcf", h_BTD, w_in)
+        gu = scaled(jnp.einsum("btd,cfd->btcf", h_BTD, w_in), input_scale)
         g_BTF, u_BTF = gu[:, :, 0], gu[:, :, 1]
         down = "btf,df->btd"
     return jnp.einsum(down, jax.nn.silu(g_BTF) * u_BTF, w_down)
+
+
+def fold_input_norms(layer, *, mlp: bool = True):
+    """`layer` (a decoder layer's copy, changed in place, before `fuse_products`) with its input
+    norms' weights folded into the products they feed, q/k/v and, with `mlp`, gate/up:
+    RMSNorm(x, w) @ W = (x @ diag(w) W) / RMS(x). A rollout step then scales the products'
+    outputs by 1 / RMS(x) (`inverse_rms`, fused into the kernels after them) instead of writing a
+    normalised copy of x before them: one kernel less a norm. The folded norms become None
+    (`Block.__call__` then passes the scale)."""
+    norm = layer.attn_norm[...][:, None, None]
+    for name in ("wq", "wk", "wv"):
+        setattr(layer, name, nnx.Param(getattr(layer, name)[...] * norm))
+    layer.attn_norm = None
+    if mlp:
+        norm = layer.mlp_norm[...][:, None]
+        layer.w_gate, layer.w_up = (nnx.Param(w[...] * norm) for w in (layer.w_gate, layer.w_up))
+        layer.mlp_norm = None
+    return layer
 
 
 def rollout_weights(weights, dtype):

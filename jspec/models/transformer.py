@@ -45,8 +45,10 @@ from jspec.config import ConfigError, KernelConfig, ModelConfig
 from jspec.models.cache import KV, CacheWriter, KVCache, TreeKV, cache_attention, last_valid
 from jspec.models.layers import (
     attention_sublayer,
+    fold_input_norms,
     fuse_products,
     init_param,
+    inverse_rms,
     rms_norm,
     rollout_weights,
     rope_angles,
@@ -162,17 +164,27 @@ class Block(nnx.Module):
         c = self.config
         w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))
         fused = self.w_qkv is not None
-        h_BTD = rms_norm(x_BTD, self.attn_norm[...], c.rms_norm_eps)
+        h_BTD, scale = self._input(x_BTD, self.attn_norm)
         w_qkv = w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv))
         norms = dict(q_norm=w(self.q_norm), k_norm=w(self.k_norm), eps=c.rms_norm_eps)
-        o_BTD, kv = attention_sublayer(h_BTD, w_qkv, w(self.wo), cos_sin, attend, **norms)
+        o_BTD, kv = attention_sublayer(
+            h_BTD, w_qkv, w(self.wo), cos_sin, attend, input_scale=scale, **norms
+        )
         x_BTD = x_BTD + o_BTD
-        h_BTD = rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        h_BTD, scale = self._input(x_BTD, self.mlp_norm)
         if self.moe is not None:
             y_BTD, stats = self.moe(h_BTD, valid_BT, act)
             return x_BTD + y_BTD, kv, stats
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
-        return x_BTD + swiglu(h_BTD, w_in, w(self.w_down)), kv, None
+        return x_BTD + swiglu(h_BTD, w_in, w(self.w_down), scale), kv, None
+
+    def _input(self, x_BTD, norm):
+        """A sublayer's input and the scale of its products: RMSNorm(x) and None, or, the norm
+        folded into the products (`fold_input_norms`), x itself and 1 / RMS(x)."""
+        eps = self.config.rms_norm_eps
+        if norm is None:
+            return x_BTD, inverse_rms(x_BTD, eps)
+        return rms_norm(x_BTD, norm[...], eps), None
 
     def fused(self, constrain) -> Block:
         """A copy of this one-layer block (a slice of the stacks) with its input products fused,
@@ -183,8 +195,11 @@ class Block(nnx.Module):
         the GPU, small products such as k and v ran far below the memory bandwidth, while plain
         XLA with fused matrices streams the Qwen3-8B weights at 97% of it. `constrain(x, logical
         axis names)` places the fused weights on a mesh, as the unfused ones are (a KV head's
-        group, a slice of the MLP width, on one device)."""
-        return fuse_products(nnx.merge(*nnx.split(self)), constrain, mlp=self.moe is None)
+        group, a slice of the MLP width, on one device). The input norms are folded into the
+        products (`fold_input_norms`)."""
+        mlp = self.moe is None
+        layer = fold_input_norms(nnx.merge(*nnx.split(self)), mlp=mlp)
+        return fuse_products(layer, constrain, mlp=mlp)
 
 
 def remat_layer(body, remat: str, static_argnums=()):

@@ -457,12 +457,16 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     cache, root = s.rows.cache, s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
     tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
-    layout = branch_layout(tree, root, cache.length - 1)
-    positions = cache.length[:, None] + layout.depth
-    nodes = (layout.tokens, positions, layout.anchor, layout.parent)
-    features = None if draft is None else draft.features
-    out = target.branch_forward(cache, *nodes, features=features, kernels=config.kernels)
-    logits, k, v = out[:3]
+    if draft is None:  # plain decoding: each layer writes the root's K/V, then reads the cache
+        written = jnp.where(s.done, 0, 1)  # the root is emitted's source unless the row is done
+        logits, cache = target.prefill(root[:, None], cache, written, kernels=config.kernels)
+        logits, out = logits[:, None], None
+    else:
+        layout = branch_layout(tree, root, cache.length - 1)
+        positions = cache.length[:, None] + layout.depth
+        nodes = (layout.tokens, positions, layout.anchor, layout.parent)
+        out = target.branch_forward(cache, *nodes, features=draft.features, kernels=config.kernels)
+        logits = out[0]
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
@@ -484,10 +488,10 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     emitted_eos = jnp.any(_stops(emitted, config) & (j < count[:, None]), axis=1)
 
     pick = lambda x: jnp.take_along_axis(x, source.reshape(1, b, -1, *([1] * (x.ndim - 3))), 2)
-    cache = cache.append(pick(k), pick(v), count)
     draft_out = s.rows.draft
     if draft is not None:
-        features = pick(out[3]) if features else None
+        cache = cache.append(pick(out[1]), pick(out[2]), count)
+        features = pick(out[3]) if draft.features else None
         cache_d, kernels = draft_out.cache, config.kernels
         new = draft.extend(shared, emitted, features, count, cache_d, kernels=kernels)
         keep = (count > 0)[:, None]

@@ -1,10 +1,11 @@
 """The KV cache of rollouts and the attention of rollout queries against it.
 
 `KVCache` holds one document per row in static-shape slots, heads-major per layer; prefill and
-decode write it layer by layer in place (`CacheWriter`), verification appends the accepted nodes
-(`KVCache.append`); `TreeKV` holds the nodes of a tree expansion's earlier steps. Rollout queries
-attend to a layer of the cache through `rollout_attention`, on the kernels of a `KernelConfig`
-(a static choice of `RolloutConfig.kernels`).
+decode write it layer by layer in place (`CacheWriter`), and so does the verify of a chain, which
+then forgets the rejected nodes (`KVCache.forget`); the verify of another tree appends the
+accepted nodes (`KVCache.append`); `TreeKV` holds the nodes of a tree expansion's earlier steps.
+Rollout queries attend to a layer of the cache through `rollout_attention`, on the kernels of a
+`KernelConfig` (a static choice of `RolloutConfig.kernels`).
 
 Shape suffixes: B batch, T tokens, N new tokens or nodes, C earlier nodes, S cache slots, L layers,
 K key/value heads, E head dim.
@@ -78,6 +79,12 @@ class KVCache(NamedTuple):
             map(functools.partial(write_kv, slot_BN=slot_BN), layers, new)
         )
         return self.with_tokens(slot_BN, count)._replace(k=write(self.k, k), v=write(self.v, v))
+
+    def forget(self, length: Int[Array, " b"]) -> KVCache:
+        """The cache cut back to its first `length[b]` tokens a row: the slots after carry
+        segment 0 again (a chain's rejected nodes, written before they were verified)."""
+        kept = jnp.arange(self.segment_ids.shape[1]) < length[:, None]
+        return self._replace(segment_ids=jnp.where(kept, self.segment_ids, 0), length=length)
 
     def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
         """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they

@@ -383,13 +383,24 @@ class Transformer(nnx.Module):
                 f"lengths[{r}]={int(lengths[r])}: every row needs at least one new token (a row "
                 "with none has no logits to return); drop the row or give it a token."
             )
-        writer = CacheWriter(cache, lengths, t, self.mesh, kernels)
-        x_BTD = self._embed(tokens, ROLLOUT_ACT)
-        cos_sin = rope_angles(self.config, writer.q_positions)
-        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, features == "taps")
-        normed_BTD = self._final(x_BTD)
+        normed_BTD, cache, out = self._write(tokens, cache, lengths, features, kernels)
         logits = self._head(last_valid(normed_BTD, lengths)[:, None], ROLLOUT_ACT)[:, 0]
-        return (logits, writer.cache, *self._features(features, taps_, normed_BTD))
+        return (logits, cache, *out)
+
+    def extend(
+        self,
+        tokens: Int[Array, "b t"],
+        cache: KVCache,
+        lengths: Int[Array, " b"],
+        *,
+        features: str | None = None,
+        kernels: KernelConfig | None = None,
+    ) -> tuple[Float[Array, "b t v"], KVCache] | tuple[Float[Array, "b t v"], KVCache, Taps]:
+        """`prefill` with the logits after every token [B,T,V] (those past a row's `lengths` are
+        undefined): the verify of a chain of draft tokens, which attend to the cache and to each
+        other causally, as prefill's tokens do; `KVCache.forget` then drops the rejected ones."""
+        normed_BTD, cache, out = self._write(tokens, cache, lengths, features, kernels)
+        return (self._head(normed_BTD, ROLLOUT_ACT), cache, *out)
 
     def decode(
         self,
@@ -457,6 +468,16 @@ class Transformer(nnx.Module):
         table = self.embed[...].astype(jnp.dtype(self.config.dtype))
         x = jnp.take(table, tokens, axis=0, mode="clip")  # clip: padding tokens may be negative
         return self._constrain(x, (*act, "act_embed"))
+
+    def _write(self, tokens, cache: KVCache, lengths, features, kernels):
+        """The final-normed hidden states of new tokens, the cache with the first `lengths[b]`
+        of them written (each layer writes its K/V, then attends), and the `features` asked for."""
+        writer = CacheWriter(cache, lengths, tokens.shape[1], self.mesh, kernels)
+        x_BTD = self._embed(tokens, ROLLOUT_ACT)
+        cos_sin = rope_angles(self.config, writer.q_positions)
+        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, features == "taps")
+        normed_BTD = self._final(x_BTD)
+        return normed_BTD, writer.cache, self._features(features, taps_, normed_BTD)
 
     def _final(self, x_BTD):
         """The final norm: the hidden state the output head reads."""

@@ -454,19 +454,10 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     """Draft a tree, verify it in one target forward, emit, and advance both caches (statistics
     of stage `stage`)."""
     b, m = s.done.shape[0], s.tokens.shape[1]
-    cache, root = s.rows.cache, s.rows.root
+    root = s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
     tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
-    if draft is None:  # plain decoding: each layer writes the root's K/V, then reads the cache
-        written = jnp.where(s.done, 0, 1)  # the root is emitted's source unless the row is done
-        logits, cache = target.prefill(root[:, None], cache, written, kernels=config.kernels)
-        logits, out = logits[:, None], None
-    else:
-        layout = branch_layout(tree, root, cache.length - 1)
-        positions = cache.length[:, None] + layout.depth
-        nodes = (layout.tokens, positions, layout.anchor, layout.parent)
-        out = target.branch_forward(cache, *nodes, features=draft.features, kernels=config.kernels)
-        logits = out[0]
+    logits, features, advance = _check_tree(target, draft, tree, s, config)
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
@@ -488,10 +479,9 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     emitted_eos = jnp.any(_stops(emitted, config) & (j < count[:, None]), axis=1)
 
     pick = lambda x: jnp.take_along_axis(x, source.reshape(1, b, -1, *([1] * (x.ndim - 3))), 2)
-    draft_out = s.rows.draft
+    cache, draft_out = advance(pick, count), s.rows.draft
     if draft is not None:
-        cache = cache.append(pick(out[1]), pick(out[2]), count)
-        features = pick(out[3]) if draft.features else None
+        features = None if features is None else pick(features)
         cache_d, kernels = draft_out.cache, config.kernels
         new = draft.extend(shared, emitted, features, count, cache_d, kernels=kernels)
         keep = (count > 0)[:, None]
@@ -527,6 +517,36 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
         stats=stats,
         key=key,
     )
+
+
+def _check_tree(target, draft, tree, s: _Loop, config: RolloutConfig):
+    """The target's logits at the root and the tree's nodes [B, N+1, V], their features for the
+    draft (None without), and `advance(pick, count)`: the cache holding the K/V of each row's
+    `count` emitted tokens' sources (the root and the accepted path; `pick` takes them from the
+    nodes'). A chain (plain decoding's: the root alone) runs as `Transformer.extend`, each layer
+    writing its nodes' K/V into the cache where the decode kernel reads them, and the rejected
+    ones are forgotten after; another tree runs as a branch beside the cache, the accepted path
+    appended after."""
+    cache, root, kernels = s.rows.cache, s.rows.root, config.kernels
+    wanted = None if draft is None else draft.features
+    if draft is None or config.tree.kind == "chain":
+        nodes = jnp.concatenate([root[:, None], tree.tokens], axis=1)
+        # Nodes past a row's budget are never emitted: not written, so the cache never overflows.
+        written = jnp.where(s.done, 0, jnp.minimum(nodes.shape[1], s.budget - s.length))
+        logits, grown, *features = target.extend(
+            nodes, cache, written, features=wanted, kernels=kernels
+        )
+        return (
+            logits,
+            (features or [None])[0],
+            lambda pick, count: grown.forget(cache.length + count),
+        )
+    layout = branch_layout(tree, root, cache.length - 1)
+    positions = cache.length[:, None] + layout.depth
+    nodes = (layout.tokens, positions, layout.anchor, layout.parent)
+    logits, k, v, *features = target.branch_forward(cache, *nodes, features=wanted, kernels=kernels)
+    advance = lambda pick, count: cache.append(pick(k), pick(v), count)
+    return logits, (features or [None])[0], advance
 
 
 def _emit_count(emitted, count, length, budget, done, config: RolloutConfig):

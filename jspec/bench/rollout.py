@@ -9,8 +9,8 @@ For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs 
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode) over a
 queue of `--prompts-per-row` prompts a row; the decode step time is (time of M tokens - time of 1
 token) / their difference in loop steps, which removes the prefills. The
-cost curve runs the target's branch forward over a chain of N nodes against the same cache in a
-jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
+cost curve runs the target's verify of a chain of N nodes against the same cache (as `generate`
+runs it: written into the cache, read there, forgotten) in a jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
 memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
 4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing each of `--trees`, verify,
 cache updates) is timed the same way and reported in decode steps: the accepted length at which
@@ -329,28 +329,27 @@ def verify_loops(model, prompts, lengths, sizes, slots: int) -> dict:
 
 
 def verify_loop(graphdef, state, prompts, lengths, n: int, slots: int):
-    """`run(count)`: the prompts prefilled, then `count` branch forwards over a chain of n nodes
-    against their cache, in a jitted loop (weights sliced once before it, as `generate` does): a
-    partial of the jitted program. The prefill is in the program, so that it compiles with the
-    others (`warm_up`); `loop_seconds` takes it out of the time."""
+    """`run(count)`: the prompts prefilled, then `count` verify forwards of a chain of n nodes as
+    `generate` runs them (`Transformer.extend`: written into the cache, read there, forgotten
+    after), in a jitted loop (weights sliced once before it, as `generate` does): a partial of
+    the jitted program. The prefill is in the program, so that it compiles with the others
+    (`warm_up`); `loop_seconds` takes it out of the time."""
     b = prompts.shape[0]
-    depth = jnp.arange(1, n + 1, dtype=jnp.int32)
-    parent = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (b, n))
 
     @jax.jit
     def run(state, count):
         model = nnx.merge(graphdef, state)
         cache = model.prefill(prompts, model.init_cache(b, slots), lengths)[1]
-        anchor = jnp.broadcast_to((cache.length - 1)[:, None], (b, n))
-        positions = cache.length[:, None] + depth - 1
-        model = model.for_rollout()
+        model, written = model.for_rollout(), jnp.full((b,), n, jnp.int32)
 
-        def body(i, acc):
+        def body(i, carry):
+            acc, cache = carry
             tokens = (prompts[:, :n] + i) % model.config.vocab_size
-            logits = model.branch_forward(cache, tokens, positions, anchor, parent)[0]
-            return acc + logits[:, -1, 0]
+            logits, grown = model.extend(tokens, cache, written)
+            return acc + logits[:, -1, 0], grown.forget(cache.length)
 
-        return jax.lax.fori_loop(0, count, body, jnp.zeros((b,), jnp.float32))
+        start = (jnp.zeros((b,), jnp.float32), cache)
+        return jax.lax.fori_loop(0, count, body, start)[0]
 
     return functools.partial(run, state)
 

@@ -8,13 +8,13 @@ tree against one decode step, per batch size, and the cost of a whole speculativ
 For each batch: prompts of `--prompt-len` tokens are prefilled; `generate` runs `--new-tokens`
 greedy tokens with no draft (its verify step holds only the root, so a step is one decode) over a
 queue of `--prompts-per-row` prompts a row; the decode step time is (time of M tokens - time of 1
-token) / their difference in loop steps, which removes the prefills. The
-cost curve runs the target's verify of a chain of N nodes against the same cache (as `generate`
-runs it: written into the cache, read there, forgotten) in a jitted loop, reported in plain decode steps (a verify of N = 1 is the target's part of one). The
-memory floor of a decode step is (weights + KV cache read) / the copy bandwidth (`--bandwidth`,
-4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft proposing each of `--trees`, verify,
-cache updates) is timed the same way and reported in decode steps: the accepted length at which
-it breaks even.
+token) / their difference in loop steps, which removes the prefills. The cost curve runs the
+target's verify of a chain of N nodes against the same cache (as `generate` runs it: written into
+the cache, read there, forgotten) in a jitted loop, reported in plain decode steps (a verify of N =
+1 is the target's part of one). The memory floor of a decode step is (weights + KV cache read) /
+the copy bandwidth (`--bandwidth`, 4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft
+proposing each of `--trees`, verify, cache updates) is timed the same way and reported in decode
+steps: the accepted length at which it breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
 draft written by `jspec.jobs.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s

@@ -1,7 +1,8 @@
 """The pieces of a decoder layer, shared by the decoder (`jspec.models.transformer`) and the
 EAGLE-3 draft (`jspec.models.draft`): parameters with logical axis names, RMSNorm, rotary
-embeddings, the attention sublayer, the SwiGLU MLP, and what rollouts change in them (the input
-products fused, the weights cast once before a loop of steps).
+embeddings, the attention sublayer, the SwiGLU MLP, a layer's rematerialisation, and what
+rollouts change in them (the input products fused, the input norms folded into them, the weights
+cast once before a loop of steps).
 
 Shape suffixes: B batch, T tokens, D hidden, H query heads, K key/value heads, G query heads per KV
 head, E head dim, F MLP width.
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jspec.attention import SAVED as SAVED_ATTENTION
 from jspec.config import ModelConfig
 
 
@@ -183,3 +185,19 @@ def rollout_weights(weights, dtype):
     dtype = jnp.dtype(dtype)
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return jax.lax.optimization_barrier(jax.tree.map(cast, weights))
+
+
+def remat_layer(body, remat: str, static_argnums=()):
+    """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
+    'dots' also the weight matmuls and attention's output and log-sum-exp (the backward then
+    runs no second attention forward, for about a tenth more saved activations; pipeline stages,
+    recomputed whole in the backward, still run it once more), 'none' everything."""
+    if remat == "none":
+        return body
+    policy = None
+    if remat == "dots":
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(SAVED_ATTENTION),
+        )
+    return jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=static_argnums)

@@ -37,7 +37,6 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jspec import mesh as mesh_lib
-from jspec.attention import SAVED as SAVED_ATTENTION
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
 from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
@@ -49,6 +48,7 @@ from jspec.models.layers import (
     fuse_products,
     init_param,
     inverse_rms,
+    remat_layer,
     rms_norm,
     rollout_weights,
     rope_angles,
@@ -200,22 +200,6 @@ class Block(nnx.Module):
         mlp = self.moe is None
         layer = fold_input_norms(nnx.merge(*nnx.split(self)), mlp=mlp)
         return fuse_products(layer, constrain, mlp=mlp)
-
-
-def remat_layer(body, remat: str, static_argnums=()):
-    """`body` (one layer of a scan) under `ModelConfig.remat`: 'full' saves only its inputs,
-    'dots' also the weight matmuls and attention's output and log-sum-exp (the backward then
-    runs no second attention forward, for about a tenth more saved activations; pipeline stages,
-    recomputed whole in the backward, still run it once more), 'none' everything."""
-    if remat == "none":
-        return body
-    policy = None
-    if remat == "dots":
-        policy = jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(SAVED_ATTENTION),
-        )
-    return jax.checkpoint(body, prevent_cse=False, policy=policy, static_argnums=static_argnums)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from jspec import mesh as mesh_lib
 from jspec.config import MeshConfig, ModelConfig, PipelineConfig
-from jspec.models.transformer import TRAIN_ACT, Transformer, create_sharded, remat_layer
+from jspec.models.layers import remat_layer
+from jspec.models.transformer import TRAIN_ACT, Transformer, create_sharded
 from jspec.pipeline import schedule as sched
 from jspec.pipeline.taps import TapChannel
 

@@ -457,7 +457,7 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     root = s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
     tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
-    logits, features, advance = _check_tree(target, draft, tree, s, config)
+    logits, features, advance = _target_forward(target, draft, tree, s, config)
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
@@ -519,7 +519,7 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     )
 
 
-def _check_tree(target, draft, tree, s: _Loop, config: RolloutConfig):
+def _target_forward(target, draft, tree, s: _Loop, config: RolloutConfig):
     """The target's logits at the root and the tree's nodes [B, N+1, V], their features for the
     draft (None without), and `advance(pick, count)`: the cache holding the K/V of each row's
     `count` emitted tokens' sources (the root and the accepted path; `pick` takes them from the

@@ -236,7 +236,7 @@ class BlockDraft(TargetVocabulary, nnx.Module):
         self, shared, tokens, features: Taps, count, cache: KVCache, *, kernels: Kernels = None
     ) -> DraftOut:
         """Appends the context of the first `count` features (the target's at the positions
-        before `tokens`); no attention runs, the block is drafted by `block_logits`."""
+        before `tokens`); no attention runs, the block is drafted from it by `block_hidden`."""
         b, t = tokens.shape
         positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)
         cos_sin = layers.rope_angles(self.config.layer, positions)

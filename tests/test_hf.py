@@ -127,6 +127,16 @@ def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path, nam
     close(jspec_logits(again, seq[None])[0], want, rtol=1e-4)
 
 
+def test_export_keeps_the_context_of_the_checkpoint_it_started_from(checkpoints, tmp_path):
+    path = checkpoints["qwen3"][1]
+    trained_for = hf.read_json(path / hf.CONFIG)["max_position_embeddings"]
+    model = hf.load(path, max_seq_len=trained_for // 4)  # a run at a shorter context
+    hf.save(tmp_path / "from", model, source=path)
+    hf.save(tmp_path / "scratch", model)
+    context = lambda d: hf.read_json(tmp_path / d / hf.CONFIG)["max_position_embeddings"]
+    assert (context("from"), context("scratch")) == (trained_for, trained_for // 4)
+
+
 def test_load_places_parameters_sharded(checkpoints):
     _, path = checkpoints["qwen3"]
     mesh = make_mesh(MeshConfig(data=4, tensor=2))

@@ -14,15 +14,18 @@ from jspec.models.block import BlockDraft
 from jspec.models.mtp import MTPDraft
 
 
-def save_for_serving(policy, draft, tokenizer, directory: pathlib.Path) -> None:
+def save_for_serving(
+    policy, draft, tokenizer, directory: pathlib.Path, source: str | None = None
+) -> None:
     """`policy` in `directory`/policy (with `tokenizer` when it is a tokenizer.json's) and `draft`
     (None: none) in `directory`/draft or beside the policy; written beside and then moved into
-    place, so a half-written export is never read. Every process takes part (on many hosts the
-    weights are gathered); process 0 writes the files."""
+    place, so a half-written export is never read. `source`: the checkpoint the policy started
+    from (None: random weights), whose context the policy's config.json keeps. Every process
+    takes part (on many hosts the weights are gathered); process 0 writes the files."""
     staged = directory.with_name(directory.name + ".partial")
     if hosts.is_main():
         shutil.rmtree(staged, ignore_errors=True)
-    hf.save(staged / "policy", policy)
+    hf.save(staged / "policy", policy, source=source)
     if isinstance(draft, MTPDraft):
         hf_mtp.save(staged / "policy", draft)
     elif isinstance(draft, BlockDraft):

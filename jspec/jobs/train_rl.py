@@ -528,7 +528,7 @@ def export(run: Run, state, directory: pathlib.Path, say) -> None:
         say(f"{directory}: not written; exporting a pipelined policy is not supported yet.")
         return
     policy, draft = run.networks.models(state.params)
-    save_for_serving(policy, draft, run.tokenizer, directory)
+    save_for_serving(policy, draft, run.tokenizer, directory, source=run.rl.policy)
     what = "the policy" if draft is None else "the policy and draft"
     say(f"exported {what} of step {int(state.step)} to {directory}")
 

@@ -429,10 +429,17 @@ def host_array(x: Any) -> np.ndarray:
 
 
 def save(
-    path: str | pathlib.Path, model: Transformer, *, max_shard_bytes: int | None = None
+    path: str | pathlib.Path,
+    model: Transformer,
+    *,
+    max_shard_bytes: int | None = None,
+    source: str | pathlib.Path | None = None,
 ) -> None:
     """Writes `config.json` and the weights in the Hugging Face layout, loadable by `transformers`.
 
+    `max_position_embeddings` is the context the weights were trained for: the run's max_seq_len
+    for a model jspec trained from scratch, else that of the checkpoint `source` (a model or run
+    directory) it started from, whatever shorter context the run itself used.
     With `max_shard_bytes`, weights larger than that are split into numbered shard files plus
     `model.safetensors.index.json`. Every process gathers each whole parameter (`host_array`: a
     collective, so all call it) and process 0 writes; the model must fit in one host's memory.
@@ -446,7 +453,11 @@ def save(
         return
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+    config = config_to_hf(model.config)
+    if source is not None:
+        trained_for = read_json(model_directory(source) / CONFIG).get("max_position_embeddings")
+        config["max_position_embeddings"] = trained_for or model.config.max_seq_len
+    (root / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     total = sum(w.nbytes for w in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:

@@ -4,7 +4,8 @@ With many processes (`jax.distributed`), every process runs the same program but
 devices of its own host, so no host may build or read a whole global batch: each builds the rows
 whose shards its devices hold (`local_rows`), turns them into one global array
 (`global_array`), and reads back only its own rows of a result (`host_rows`). Small per-row
-values that every host needs, such as rewards for a metric, travel through `gather`. With one
+values that every host needs, such as rewards for a metric, travel through `gather` (rows that
+several hosts hold, where the data axis is smaller than the host count, counted once). With one
 process these are plain `device_put` and `np.asarray`, so the same code runs on a laptop and a
 pod.
 
@@ -64,11 +65,18 @@ def host_rows(x: jax.Array, rows: slice) -> np.ndarray:
     return out
 
 
-def gather(local) -> np.ndarray:
-    """Every process's `local` rows (numpy), concatenated in process order, on every process."""
+def gather(local, rows: slice | None = None) -> np.ndarray:
+    """Every process's `local` rows (numpy), concatenated in process order, on every process.
+    With `rows`, the block of a batch's rows `local` belongs to (`local_rows`), each block counts
+    once: a mesh whose data axis is smaller than the process count gives several processes the
+    same rows."""
     if jax.process_count() == 1:
         return np.asarray(local)
-    return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+    if rows is None:
+        return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+    starts = np.asarray(multihost_utils.process_allgather(np.int64(rows.start)))
+    each = np.asarray(multihost_utils.process_allgather(np.asarray(local)))  # [process, ...]
+    return np.concatenate(each[np.unique(starts, return_index=True)[1]])
 
 
 def gather_global(x):

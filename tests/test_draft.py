@@ -301,3 +301,12 @@ def test_rollout_copy_of_a_whole_vocabulary_draft_gives_its_logits_in_target_ord
     hidden = jax.random.normal(jax.random.key(0), (2, 3, 16))
     logits = lambda d: d.to_target_vocab(d.draft_logits(hidden, None))
     close(logits(rollout), logits(draft), rtol=1e-6)
+
+
+def test_a_draft_vocabulary_that_does_not_fit_the_tensor_axis_is_refused():
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    config = Eagle3Config.for_target(FIXTURE_TARGET, 257)
+    with pytest.raises(
+        ConfigError, match=r"rollout\.draft\.vocab_size=257 is not divisible by 2.*mesh\.tensor"
+    ):
+        create_eagle3(config, mesh=mesh)

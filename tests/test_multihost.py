@@ -1,6 +1,7 @@
 """Multi-host runs: two processes of four CPU devices each (gloo collectives) run the RL demo over
-one 8-device mesh, each loading its own rows, and match one process of eight devices; and the
-launcher reads SLURM, Kubernetes and explicit settings."""
+one 8-device mesh, each loading its own rows (or, with a data axis of 1, both the same rows), and
+match one process of eight devices; and the launcher reads SLURM, Kubernetes and explicit
+settings."""
 
 import json
 import os
@@ -37,7 +38,10 @@ LOOP = [
     "",
     "--quiet",
 ]
-COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement")
+COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement", "rollout_tokens")
+# Rows split between the hosts (the data axis), and rows both hosts hold (a tensor axis of 8).
+WIDE = ["model.num_heads=8", "model.num_kv_heads=8", "rollout.draft.vocab_size=264"]
+LAYOUTS = {"data": [], "replicated": ["mesh.data=1", "mesh.tensor=8", *WIDE]}
 
 
 def free_port() -> int:
@@ -51,7 +55,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in lines]
 
 
-def two_processes(run_dir):
+def two_processes(run_dir, layout):
     """The demo loop under jspec-launch as processes 0 and 1 of 2, four CPU devices each."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     # the session's flags (tests/conftest.py: fast compilation), four devices per process
@@ -72,6 +76,7 @@ def two_processes(run_dir):
                 str(i),
                 "train_rl",
                 *LOOP,
+                *layout,
                 "--run-dir",
                 str(run_dir),
             ],
@@ -87,9 +92,10 @@ def two_processes(run_dir):
         assert p.returncode == 0, out[-4000:]
 
 
-def test_two_processes_match_one(tmp_path):
-    two_processes(tmp_path / "two")
-    train_rl.main([*LOOP, "--run-dir", str(tmp_path / "one")])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_processes_match_one(tmp_path, layout):
+    two_processes(tmp_path / "two", LAYOUTS[layout])
+    train_rl.main([*LOOP, *LAYOUTS[layout], "--run-dir", str(tmp_path / "one")])
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [r["step"] for r in two] == [0, 1]
     for a, b in zip(one, two, strict=True):

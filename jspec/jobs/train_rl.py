@@ -263,7 +263,8 @@ class Run:
             dense = pack(share.stop - share.start)
             if hosts.gather([dense is not None]).all():  # one shape on every process
                 return dense, count
-        return pack(None), len(arrays[0]) * jax.process_count() // rl.sequences_per_row
+        block = hosts.local_rows(self.rows, mesh_lib.axis_size(self.mesh, "batch"))  # this host's
+        return pack(None), int(hosts.gather([len(arrays[0])], block).sum()) // rl.sequences_per_row
 
     def step_fn(self, objective: str, trained, learning_rate: float, num_sequences: int):
         tx = optimizer(self.rl, trained, learning_rate)
@@ -392,7 +393,7 @@ def finish_rollout(run: Run, job: InFlight):
     batch = run.put(packed, job.rows.start, rows)
     name, difficulty = tasks.task_at(rl.task, job.step)
     stats = type(out.stats)(*hosts.gather_global(tuple(out.stats)))
-    all_rewards, all_lengths = hosts.gather(rewards), hosts.gather(done.lengths)
+    all_rewards, all_lengths = (hosts.gather(x, job.rows) for x in (rewards, done.lengths))
     accepted = stats.mean_accepted_length() if run.mode != "none" else 1.0
     if run.trees is not None and job.trees == (None,):  # plain decoding, its buckets included
         run.trees.observe(None, stats.tokens_per_row_step())
@@ -400,12 +401,14 @@ def finish_rollout(run: Run, job: InFlight):
         for stage, tree in enumerate(job.trees):
             if int(stats.row_steps[stage]):
                 run.trees.observe(tree, stats.tokens_per_row_step(stage))
+    tokens = int(hosts.gather([generated], job.rows).sum())
     metrics = {
         "reward": float(all_rewards.mean()),
         "accepted_length": accepted,
         "busy": stats.busy(),
         "response_length": float(all_lengths.mean()),
-        "rollout_tokens_per_s": float(hosts.gather([generated]).sum()) / seconds,
+        "rollout_tokens": tokens,
+        "rollout_tokens_per_s": tokens / seconds,
         "rollout_time": seconds,
         "verify_steps": int(np.max(stats.iterations)),  # loop trips: the rollout's longest chain
         "score_time": pack_start - score_start,

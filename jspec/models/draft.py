@@ -50,7 +50,7 @@ from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, KernelConfig, ModelConfig
 from jspec.models import layers
 from jspec.models.cache import CacheWriter, KVCache, TreeKV, cache_attention, last_valid
-from jspec.models.transformer import Transformer, create_sharded
+from jspec.models.transformer import Transformer, check_mesh, create_sharded
 
 Taps = Float[Array, "taps b t d"]
 Kernels = KernelConfig | None  # what attention to the cache runs on (None: `KernelConfig()`)
@@ -275,6 +275,9 @@ class Eagle3Draft(OneLayerDraft):
         first `draft_vocab_size` ids."""
         config.validate()
         c = config.layer
+        check_mesh(
+            dataclasses.replace(c, vocab_size=config.draft_vocab_size), mesh, "rollout.draft"
+        )
         d, h, k, e, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         p = functools.partial(layers.init_param, rngs, dtype=jnp.dtype(c.param_dtype))
         self.config, self.mesh = config, mesh

@@ -81,8 +81,9 @@ _AXIS_FIELDS = {
 }
 
 
-def check_mesh(config: ModelConfig, mesh: Mesh | None) -> None:
-    """Raises ConfigError if a parameter axis does not divide over the mesh axes it is split on."""
+def check_mesh(config: ModelConfig, mesh: Mesh | None, where: str = "model") -> None:
+    """Raises ConfigError if a parameter axis does not divide over the mesh axes it is split on
+    (`where`: the config section the fields are named under)."""
     if mesh is None:
         return
     for name, field in _AXIS_FIELDS.items():
@@ -95,9 +96,9 @@ def check_mesh(config: ModelConfig, mesh: Mesh | None) -> None:
             axes = (axes,) if isinstance(axes, str) else axes
             mesh_size = " x ".join(f"mesh.{a}" for a in axes)
             raise ConfigError(
-                f"model.{field}={value} is not divisible by {size}, the size of {mesh_size} that "
+                f"{where}.{field}={value} is not divisible by {size}, the size of {mesh_size} that "
                 f"parameter axis {name!r} is split over; set {mesh_size} to a divisor of {value},"
-                f" or use a model whose {field} is a multiple of {size}."
+                f" or a {where}.{field} that is a multiple of {size}."
             )
 
 

@@ -27,6 +27,7 @@ TILES = pallas_gpu.Tiles(
     dkdv=pallas_gpu.Tile(16, 32, 4, 1),
     dq=pallas_gpu.Tile(16, 16, 4, 1),
 )
+FUSED = TILES._replace(dq=None)  # dQ added by the dK/dV kernel (atomic adds)
 KW = dict(tiles=TILES, interpret=True)
 TOL = 1e-5
 
@@ -65,7 +66,8 @@ def case():
     return rng, q, k, v, seg, pos
 
 
-def test_fwd_and_bwd_match_blocks(case):
+@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
+def test_fwd_and_bwd_match_blocks(case, tiles):
     rng, q, k, v, seg, pos = case
     args = (q, k, v, seg, pos, seg, pos)
     o, lse = pallas_gpu.fwd(*args, scale=0.3, **KW)
@@ -79,14 +81,15 @@ def test_fwd_and_bwd_match_blocks(case):
 
     do = normal(rng, o.shape)
     delta = jnp.sum(do * o_ref, axis=-1)
-    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.3, **KW)
+    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.3, tiles=tiles, interpret=True)
     want = blocks.bwd(*args, lse_ref, do, delta, scale=0.3, block_q=32, block_k=32)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == jnp.float32
         assert rel_err(g, w) < TOL
 
 
-def test_cross_attention_keys_out_of_order():
+@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
+def test_cross_attention_keys_out_of_order(tiles):
     """Keys in shuffled chunks (as on a ring step): runs with gaps, tiles seen in any order."""
     rng = np.random.default_rng(1)
     seg, pos = packed(128, [70, 58], 0)
@@ -101,13 +104,14 @@ def test_cross_attention_keys_out_of_order():
     assert rel_err(o, o_ref) < TOL and rel_err(lse, lse_ref) < TOL
     do = normal(rng, o.shape)
     delta = jnp.sum(do * o_ref, axis=-1)
-    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.2, **KW)
+    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.2, tiles=tiles, interpret=True)
     want = blocks.bwd(*args, lse_ref, do, delta, scale=0.2, block_q=16, block_k=16)
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) < TOL
 
 
-def test_attention_grads_match_reference(case):
+@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
+def test_attention_grads_match_reference(case, tiles):
     rng, q, k, v, seg, pos = case
     ct = normal(rng, q.shape)
 
@@ -115,7 +119,7 @@ def test_attention_grads_match_reference(case):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct)
 
     def ours(q, k, v):
-        return attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=TILES)
+        return attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=tiles)
 
     def ref(q, k, v):
         return reference_attention(q, k, v, seg, pos)

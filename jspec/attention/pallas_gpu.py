@@ -15,7 +15,10 @@ Kernels (flash-attention 2):
 - forward: one program per (query tile, row, query head), online softmax in base 2;
 - dK/dV: one program per (key tile, row, KV head), looping over the G query heads of its group
   (GQA without atomics or a reduction afterwards);
-- dQ: one program per (query tile, row, query head).
+- dQ: one program per (query tile, row, query head); or, with `Tiles(dq=None)`, none: the dK/dV
+  kernel adds each tile's dQ into a float32 dQ with atomic adds (5 products a tile pair, not 7:
+  the scores and dP are not recomputed, at the price of atomic traffic and of dQ's summation
+  order varying from run to run in its last bits).
 The tile sizes are the kernel's own (`Tiles`); the caller's `block_q` / `block_k` only keep the
 signature of `blocks`. Lengths are padded here to whole tiles with segment 0 (sees nothing).
 """
@@ -54,7 +57,8 @@ class Tile(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """Tiles of the three kernels. Sizes are powers of two >= 16 (Triton's dot).
+    """Tiles of the three kernels (`dq` None: no dQ kernel, the dK/dV kernel adds dQ in by atomic
+    adds). Sizes are powers of two >= 16 (Triton's dot).
 
     The defaults won a sweep on one H200 (jax 0.11.2) at T=32K, 32/8 heads, D=128, bf16, causal:
     `jspec/bench/check_gpu_attention.py` reruns it.
@@ -62,7 +66,7 @@ class Tiles(NamedTuple):
 
     fwd: Tile = Tile(128, 128, 8, 3)
     dkdv: Tile = Tile(64, 128, 8, 3)
-    dq: Tile = Tile(128, 128, 8, 2)
+    dq: Tile | None = Tile(128, 128, 8, 2)
 
 
 TILES = Tiles()
@@ -219,13 +223,14 @@ def _dkdv_kernel(
     lse_ref,
     do_ref,
     delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *out_refs,
     scale,
     bq,
     groups,
 ):
+    """dK, dV of a key tile: `out_refs` (dk, dv); fused: (dq0, dk, dv, dq), each tile's dQ added
+    into dq (aliased to dq0) by atomic adds."""
+    dk_ref, dv_ref, dq_ref = (*out_refs, None) if len(out_refs) == 2 else out_refs[1:]
     k, v = k_ref[...], v_ref[...]
     bk, d = k.shape
     kseg, kpos = kseg_ref[...][:, None], kpos_ref[...][:, None]
@@ -244,6 +249,9 @@ def _dkdv_kernel(
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta_ref[g, rows][None])
             dk = dk + _dot(ds.astype(q.dtype), q)
+            if dq_ref is not None:
+                dq = _dot(ds.T.astype(k.dtype), k) * scale
+                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq)
             return dk, dv
 
         return _visit(plan_ref, body, carry)
@@ -304,7 +312,7 @@ def _check(q, k, tiles: Tiles):
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}.")
     if not supports(d):
         raise ValueError(f"the Pallas kernel needs a power-of-two head dim >= 16; got {d}.")
-    for t in tiles:
+    for t in filter(None, tiles):
         if min(t.q, t.k) < 16 or t.q & (t.q - 1) or t.k & (t.k - 1):
             raise ValueError(f"tiles must be powers of two >= 16; got {t}.")
 
@@ -362,82 +370,79 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpr
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, tiles, interpret):
     b, tq0, hq, d = q.shape
-    tk0, hkv = k.shape[1:3]
-    g = hq // hkv
-    tq = blocks.round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
-    tk = blocks.round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
+    tk0 = k.shape[1]
+    used = [t for t in (tiles.dkdv, tiles.dq) if t is not None]
+    tq = blocks.round_up(tq0, max(t.q for t in used))
+    tk = blocks.round_up(tk0, max(t.k for t in used))
     q, dout, q_seg, q_pos, dq0 = (blocks.pad_rows(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
     k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
     # Heads first for the per-row statistics: a query tile's values are contiguous.
     lse, delta = (
         jnp.swapaxes(blocks.pad_rows(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta)
     )
-
-    # dK, dV: a program per (key tile, row, KV head); its G query heads: a block of the head axis.
-    t = tiles.dkdv
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=True)
-    qg_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
-    kv_spec = pl.BlockSpec((_SQ, t.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
-    qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
-    ktok = pl.BlockSpec((_SQ, t.k), lambda j, r, h: (r, j))
-    stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=scale, bq=t.q, groups=g),
-        grid=(tk // t.k, b, hkv),
-        in_specs=[
-            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda j, r, h: (r, j, 0)),
-            qg_spec,
-            kv_spec,
-            kv_spec,
-            qtok,
-            qtok,
-            ktok,
-            ktok,
-            stat,
-            qg_spec,
-            stat,
-        ],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)] * 2,
-        compiler_params=_params(t),
-        interpret=interpret,
-        name="jspec_attention_dkdv",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
-
-    # dQ: a program per (query tile, row, query head).
-    t = tiles.dq
-    nq = tq // t.q  # heaviest (last) query tiles first, as in the forward
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=False)
-    q_spec = pl.BlockSpec((_SQ, t.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
-    kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
-    qtok = pl.BlockSpec((_SQ, t.q), lambda i, r, h: (r, nq - 1 - i))
-    ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
-    stat = pl.BlockSpec((_SQ, _SQ, t.q), lambda i, r, h: (r, h, nq - 1 - i))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bk=t.k),
-        grid=(nq, b, hq),
-        in_specs=[
-            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda i, r, h: (r, nq - 1 - i, 0)),
-            q_spec,
-            kv_spec,
-            kv_spec,
-            qtok,
-            qtok,
-            ktok,
-            ktok,
-            stat,
-            q_spec,
-            stat,
-            q_spec,
-        ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((b, tq, hq, d), jnp.float32),
-        input_output_aliases={11: 0},
-        compiler_params=_params(t),
-        interpret=interpret,
-        name="jspec_attention_dq",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
+    args = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
+    call = functools.partial(_bwd_call, scale=scale, interpret=interpret)
+    if tiles.dq is None:
+        dk, dv, dq = call("dkdv", tiles.dkdv, *args)
+    else:
+        dk, dv = call("dkdv", tiles.dkdv, *args[:-1])
+        dq = call("dq", tiles.dq, *args)
     return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
+
+
+def _bwd_call(
+    kind, t, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0=None, *, scale, interpret
+):
+    """One backward kernel over padded inputs: "dkdv", a program per (key tile, row, KV head)
+    whose G query heads are a block of the head axis, returning (dk, dv), or (dk, dv, dq) when
+    given `dq0` (the fused backward); "dq", a program per (query tile, row, query head),
+    heaviest (last) query tiles first as in the forward, returning dq (dq0 plus this key set's)."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1:3]
+    g = hq // hkv
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    if kind == "dkdv":
+        grid, by_key = (tk // t.k, b, hkv), True
+        outer = lambda j, r, h: (r, j, 0)  # noqa: E731
+        q_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
+        kv_spec = pl.BlockSpec((_SQ, t.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
+        qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
+        ktok = pl.BlockSpec((_SQ, t.k), lambda j, r, h: (r, j))
+        stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
+        kernel = functools.partial(_dkdv_kernel, scale=scale, bq=t.q, groups=g)
+        out_specs, out_shape = [kv_spec, kv_spec], [f32((b, tk, hkv, d))] * 2
+    else:
+        nq = tq // t.q
+        grid, by_key = (nq, b, hq), False
+        outer = lambda i, r, h: (r, nq - 1 - i, 0)  # noqa: E731
+        q_spec = pl.BlockSpec((_SQ, t.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
+        kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
+        qtok = pl.BlockSpec((_SQ, t.q), lambda i, r, h: (r, nq - 1 - i))
+        ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
+        stat = pl.BlockSpec((_SQ, _SQ, t.q), lambda i, r, h: (r, h, nq - 1 - i))
+        kernel = functools.partial(_dq_kernel, scale=scale, bk=t.k)
+        out_specs, out_shape = [], []
+    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=by_key)
+    in_specs = [pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), outer), q_spec, kv_spec, kv_spec]
+    in_specs += [qtok, qtok, ktok, ktok, stat, q_spec, stat]
+    args = [plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta]
+    aliases = {}
+    if dq0 is not None:  # dq: dq0 plus this key set's, in place
+        in_specs.append(q_spec)
+        args.append(dq0)
+        aliases = {len(args) - 1: len(out_specs)}
+        out_specs, out_shape = [*out_specs, q_spec], [*out_shape, f32(q.shape)]
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs if len(out_specs) > 1 else out_specs[0],
+        out_shape=out_shape if len(out_shape) > 1 else out_shape[0],
+        input_output_aliases=aliases,
+        compiler_params=_params(t),
+        interpret=interpret,
+        name=f"jspec_attention_{kind}",
+    )(*args)
 
 
 # ---------------------------------------------------------------------------------------------

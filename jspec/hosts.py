@@ -66,17 +66,25 @@ def host_rows(x: jax.Array, rows: slice) -> np.ndarray:
 
 
 def gather(local, rows: slice | None = None) -> np.ndarray:
-    """Every process's `local` rows (numpy), concatenated in process order, on every process.
-    With `rows`, the block of a batch's rows `local` belongs to (`local_rows`), each block counts
-    once: a mesh whose data axis is smaller than the process count gives several processes the
-    same rows."""
+    """Every process's `local` rows (numpy, 1-d or more), concatenated in process order, on every
+    process. With `rows`, the block of a batch's rows `local` belongs to (`local_rows`; the same
+    shape on every process), in row order and each block once: a mesh whose data axis is smaller
+    than the process count gives several processes the same rows."""
+    local = np.atleast_1d(np.asarray(local))
     if jax.process_count() == 1:
-        return np.asarray(local)
+        return local
     if rows is None:
-        return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
-    starts = np.asarray(multihost_utils.process_allgather(np.int64(rows.start)))
-    each = np.asarray(multihost_utils.process_allgather(np.asarray(local)))  # [process, ...]
-    return np.concatenate(each[np.unique(starts, return_index=True)[1]])
+        return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+    bounds = np.asarray(multihost_utils.process_allgather(np.array([rows.start, rows.stop])))
+    each = np.asarray(multihost_utils.process_allgather(local))  # [process, ...]
+    starts, first = np.unique(bounds[:, 0], return_index=True)
+    stops = bounds[first, 1]
+    if starts[0] != 0 or np.any(stops[:-1] != starts[1:]):
+        raise ValueError(
+            f"the processes hold row blocks {bounds.tolist()}, which do not split the rows into "
+            "disjoint blocks; build the mesh from jax.devices() in order (jspec.mesh.make_mesh)."
+        )
+    return np.concatenate(each[first])
 
 
 def gather_global(x):

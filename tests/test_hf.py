@@ -130,11 +130,14 @@ def test_export_round_trips_and_transformers_loads_it(checkpoints, tmp_path, nam
 def test_export_keeps_the_context_of_the_checkpoint_it_started_from(checkpoints, tmp_path):
     path = checkpoints["qwen3"][1]
     trained_for = hf.read_json(path / hf.CONFIG)["max_position_embeddings"]
-    model = hf.load(path, max_seq_len=trained_for // 4)  # a run at a shorter context
-    hf.save(tmp_path / "from", model, source=path)
-    hf.save(tmp_path / "scratch", model)
-    context = lambda d: hf.read_json(tmp_path / d / hf.CONFIG)["max_position_embeddings"]
-    assert (context("from"), context("scratch")) == (trained_for, trained_for // 4)
+    shorter = hf.load(path, max_seq_len=trained_for // 4)  # a run at a shorter context
+    longer = hf.load(path, max_seq_len=trained_for * 2)  # one that extended it
+    for model in (shorter, longer):
+        hf.save(tmp_path / "from", model, context=hf.trained_context(path, model.config))
+        hf.save(tmp_path / "scratch", model, context=hf.trained_context(None, model.config))
+        context = lambda d: hf.read_json(tmp_path / d / hf.CONFIG)["max_position_embeddings"]
+        want = max(trained_for, model.config.max_seq_len), model.config.max_seq_len
+        assert (context("from"), context("scratch")) == want
 
 
 def test_load_places_parameters_sharded(checkpoints):

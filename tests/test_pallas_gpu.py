@@ -171,7 +171,8 @@ def test_available_and_supports():
     assert not pallas_gpu.supports(96) and not pallas_gpu.supports(8)
 
 
-def test_ring_with_branch_on_the_kernel():
+@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
+def test_ring_with_branch_on_the_kernel(tiles):
     """The kernel inside the ring (shard_map over 2 ranks) with a draft tree: outputs and grads."""
     rng = np.random.default_rng(5)
     t, n = 64, 6
@@ -192,7 +193,7 @@ def test_ring_with_branch_on_the_kernel():
 
         return jax.grad(f, argnums=(0, 1, 2, 3))
 
-    kernel = dict(impl="pallas_interpret", tiles=TILES)
+    kernel = dict(impl="pallas_interpret", tiles=tiles)
     ours = loss(lambda *a, **kw: context_parallel_attention(*a, mesh=mesh, **kernel, **kw))
     got = ours(q, k, v, bqkv)
     want = loss(reference_attention)(q, k, v, bqkv)

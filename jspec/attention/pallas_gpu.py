@@ -14,7 +14,7 @@ transposed plan.
 Kernels (flash-attention 2):
 - forward: one program per (query tile, row, query head), online softmax in base 2;
 - dK/dV: one program per (key tile, row, KV head), looping over the G query heads of its group
-  (GQA without atomics or a reduction afterwards);
+  (its dK and dV need no atomics or reduction afterwards);
 - dQ: one program per (query tile, row, query head); or, with `Tiles(dq=None)`, none: the dK/dV
   kernel adds each tile's dQ into a float32 dQ with atomic adds (5 products a tile pair, not 7:
   the scores and dP are not recomputed, at the price of atomic traffic and of dQ's summation
@@ -223,14 +223,14 @@ def _dkdv_kernel(
     lse_ref,
     do_ref,
     delta_ref,
-    *out_refs,
+    *refs,
     scale,
     bq,
     groups,
 ):
-    """dK, dV of a key tile: `out_refs` (dk, dv); fused: (dq0, dk, dv, dq), each tile's dQ added
-    into dq (aliased to dq0) by atomic adds."""
-    dk_ref, dv_ref, dq_ref = (*out_refs, None) if len(out_refs) == 2 else out_refs[1:]
+    """dK, dV of a key tile: `refs` (dk, dv), or fused (dq0, dk, dv, dq), each tile's dQ added
+    into dq (aliased to the input dq0) by atomic adds."""
+    dk_ref, dv_ref, dq_ref = (*refs, None) if len(refs) == 2 else refs[1:]
     k, v = k_ref[...], v_ref[...]
     bk, d = k.shape
     kseg, kpos = kseg_ref[...][:, None], kpos_ref[...][:, None]
@@ -248,10 +248,10 @@ def _dkdv_kernel(
                 p = jnp.where(seen, p, 0.0)
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta_ref[g, rows][None])
-            dk = dk + _dot(ds.astype(q.dtype), q)
+            ds = ds.astype(q.dtype)
+            dk = dk + _dot(ds, q)
             if dq_ref is not None:
-                dq = _dot(ds.T.astype(k.dtype), k) * scale
-                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq)
+                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.T, k) * scale)
             return dk, dv
 
         return _visit(plan_ref, body, carry)
@@ -369,6 +369,8 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpr
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, tiles, interpret):
+    """(dq0 plus this key set's dq, dk, dv): inputs padded to whole tiles, the statistics made
+    heads-first, then the dK/dV and dQ kernels, or the fused dK/dV kernel alone."""
     b, tq0, hq, d = q.shape
     tk0 = k.shape[1]
     used = [t for t in (tiles.dkdv, tiles.dq) if t is not None]
@@ -391,38 +393,55 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
 
 
 def _bwd_call(
-    kind, t, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0=None, *, scale, interpret
+    kind,
+    tile,
+    q,
+    k,
+    v,
+    q_seg,
+    q_pos,
+    k_seg,
+    k_pos,
+    lse,
+    dout,
+    delta,
+    dq0=None,
+    *,
+    scale,
+    interpret,
 ):
     """One backward kernel over padded inputs: "dkdv", a program per (key tile, row, KV head)
     whose G query heads are a block of the head axis, returning (dk, dv), or (dk, dv, dq) when
     given `dq0` (the fused backward); "dq", a program per (query tile, row, query head),
     heaviest (last) query tiles first as in the forward, returning dq (dq0 plus this key set's)."""
+    if kind == "dq" and dq0 is None:
+        raise ValueError("the dQ kernel adds into a running dq: pass dq0 (zeros for none).")
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     g = hq // hkv
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     if kind == "dkdv":
-        grid, by_key = (tk // t.k, b, hkv), True
+        grid, by_key = (tk // tile.k, b, hkv), True
         outer = lambda j, r, h: (r, j, 0)  # noqa: E731
         q_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
-        kv_spec = pl.BlockSpec((_SQ, t.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
+        kv_spec = pl.BlockSpec((_SQ, tile.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
         qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
-        ktok = pl.BlockSpec((_SQ, t.k), lambda j, r, h: (r, j))
+        ktok = pl.BlockSpec((_SQ, tile.k), lambda j, r, h: (r, j))
         stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
-        kernel = functools.partial(_dkdv_kernel, scale=scale, bq=t.q, groups=g)
+        kernel = functools.partial(_dkdv_kernel, scale=scale, bq=tile.q, groups=g)
         out_specs, out_shape = [kv_spec, kv_spec], [f32((b, tk, hkv, d))] * 2
     else:
-        nq = tq // t.q
+        nq = tq // tile.q
         grid, by_key = (nq, b, hq), False
         outer = lambda i, r, h: (r, nq - 1 - i, 0)  # noqa: E731
-        q_spec = pl.BlockSpec((_SQ, t.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
+        q_spec = pl.BlockSpec((_SQ, tile.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
         kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
-        qtok = pl.BlockSpec((_SQ, t.q), lambda i, r, h: (r, nq - 1 - i))
+        qtok = pl.BlockSpec((_SQ, tile.q), lambda i, r, h: (r, nq - 1 - i))
         ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
-        stat = pl.BlockSpec((_SQ, _SQ, t.q), lambda i, r, h: (r, h, nq - 1 - i))
-        kernel = functools.partial(_dq_kernel, scale=scale, bk=t.k)
+        stat = pl.BlockSpec((_SQ, _SQ, tile.q), lambda i, r, h: (r, h, nq - 1 - i))
+        kernel = functools.partial(_dq_kernel, scale=scale, bk=tile.k)
         out_specs, out_shape = [], []
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=by_key)
+    plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=by_key)
     in_specs = [pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), outer), q_spec, kv_spec, kv_spec]
     in_specs += [qtok, qtok, ktok, ktok, stat, q_spec, stat]
     args = [plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta]
@@ -439,7 +458,7 @@ def _bwd_call(
         out_specs=out_specs if len(out_specs) > 1 else out_specs[0],
         out_shape=out_shape if len(out_shape) > 1 else out_shape[0],
         input_output_aliases=aliases,
-        compiler_params=_params(t),
+        compiler_params=_params(tile),
         interpret=interpret,
         name=f"jspec_attention_{kind}",
     )(*args)

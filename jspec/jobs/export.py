@@ -20,18 +20,20 @@ def save_for_serving(
     """`policy` in `directory`/policy (with `tokenizer` when it is a tokenizer.json's) and `draft`
     (None: none) in `directory`/draft or beside the policy; written beside and then moved into
     place, so a half-written export is never read. `source`: the checkpoint the policy started
-    from (None: random weights), whose context the policy's config.json keeps. Every process
-    takes part (on many hosts the weights are gathered); process 0 writes the files."""
+    from (None: random weights), whose context (`hf.trained_context`) the config.json files
+    keep. Every process takes part (on many hosts the weights are gathered); process 0 writes the
+    files."""
     staged = directory.with_name(directory.name + ".partial")
     if hosts.is_main():
         shutil.rmtree(staged, ignore_errors=True)
-    hf.save(staged / "policy", policy, source=source)
+    context = hf.trained_context(source, policy.config)
+    hf.save(staged / "policy", policy, context=context)
     if isinstance(draft, MTPDraft):
         hf_mtp.save(staged / "policy", draft)
     elif isinstance(draft, BlockDraft):
-        hf_block.save(staged / "draft", draft, policy.config)
+        hf_block.save(staged / "draft", draft, policy.config, context)
     elif draft is not None:
-        hf_eagle3.save(staged / "draft", draft)
+        hf_eagle3.save(staged / "draft", draft, context=context)
     if hosts.is_main():
         if isinstance(tokenizer, tokenizers.HFTokenizer):
             tokenizer.save(staged / "policy")

@@ -168,6 +168,16 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
 RUN_FIELDS = ("dtype", "param_dtype", "remat", "tap_layers", "max_seq_len", "router_aux_loss_coef")
 
 
+def trained_context(source: str | pathlib.Path | None, config: ModelConfig) -> int:
+    """The context a model's weights are good for: the longer of its run's max_seq_len and the
+    max_position_embeddings of the checkpoint `source` (a model or run directory; None: none) it
+    started from."""
+    if source is None:
+        return config.max_seq_len
+    theirs = read_json(model_directory(source) / CONFIG).get("max_position_embeddings") or 0
+    return max(theirs, config.max_seq_len)
+
+
 def model_directory(path: str | pathlib.Path) -> pathlib.Path:
     """The Hugging Face model directory at `path`, or the target/ of a `train_code_lm` run
     directory `path`."""
@@ -200,9 +210,9 @@ def check_config(path: str | pathlib.Path, config: ModelConfig, where: str = "mo
         )
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+def config_to_hf(config: ModelConfig, context: int | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict of a ModelConfig (Qwen3-MoE iff it has experts, else
-    Qwen3 iff qk_norm, else Llama)."""
+    Qwen3 iff qk_norm, else Llama); `context`: its max_position_embeddings (None: max_seq_len)."""
     c = config
     model_type = "qwen3_moe" if c.num_experts else "qwen3" if c.qk_norm else "llama"
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
@@ -224,7 +234,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
+        "max_position_embeddings": context or c.max_seq_len,
         "rms_norm_eps": c.rms_norm_eps,
         "tie_word_embeddings": c.tie_embeddings,
         "attention_bias": False,
@@ -433,13 +443,12 @@ def save(
     model: Transformer,
     *,
     max_shard_bytes: int | None = None,
-    source: str | pathlib.Path | None = None,
+    context: int | None = None,
 ) -> None:
     """Writes `config.json` and the weights in the Hugging Face layout, loadable by `transformers`.
 
-    `max_position_embeddings` is the context the weights were trained for: the run's max_seq_len
-    for a model jspec trained from scratch, else that of the checkpoint `source` (a model or run
-    directory) it started from, whatever shorter context the run itself used.
+    `context`: the config's max_position_embeddings (None: the model's max_seq_len;
+    `trained_context` gives it for a model that started from a checkpoint).
     With `max_shard_bytes`, weights larger than that are split into numbered shard files plus
     `model.safetensors.index.json`. Every process gathers each whole parameter (`host_array`: a
     collective, so all call it) and process 0 writes; the model must fit in one host's memory.
@@ -453,10 +462,7 @@ def save(
         return
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    config = config_to_hf(model.config)
-    if source is not None:
-        trained_for = read_json(model_directory(source) / CONFIG).get("max_position_embeddings")
-        config["max_position_embeddings"] = trained_for or model.config.max_seq_len
+    config = config_to_hf(model.config, context)
     (root / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     total = sum(w.nbytes for w in tensors.values())

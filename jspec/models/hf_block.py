@@ -169,10 +169,12 @@ def _check_tensors(root: pathlib.Path, found: set[str], config: BlockConfig) -> 
         )
 
 
-def save(path: str | pathlib.Path, draft: BlockDraft, target: ModelConfig) -> None:
+def save(
+    path: str | pathlib.Path, draft: BlockDraft, target: ModelConfig, context: int | None = None
+) -> None:
     """Writes the draft of `target` in DFlash's layout (config.json, model.safetensors with
-    `mask_embedding`). Every process gathers the weights (a collective: all call it); process 0
-    writes."""
+    `mask_embedding`); `context` as in `hf.save`. Every process gathers the weights (a
+    collective: all call it); process 0 writes."""
     tensors = {}
     for keys, var in nnx.to_flat_state(nnx.state(draft, nnx.Param)):
         key, n_in = _KEYS[keys]
@@ -192,7 +194,7 @@ def save(path: str | pathlib.Path, draft: BlockDraft, target: ModelConfig) -> No
         "mask_token_id": None,  # the mask is `mask_embedding`
     }
     config = {
-        **hf.config_to_hf(draft.config.layer),
+        **hf.config_to_hf(draft.config.layer, context),
         "architectures": [ARCHITECTURE],
         "block_size": size,
         "num_target_layers": target.num_layers,

@@ -95,8 +95,8 @@ def config_from_json(raw: dict[str, Any], **overrides: Any) -> Eagle3Config:
     )
 
 
-def config_to_json(config: Eagle3Config) -> dict[str, Any]:
-    out = hf.config_to_hf(config.layer)
+def config_to_json(config: Eagle3Config, context: int | None = None) -> dict[str, Any]:
+    out = hf.config_to_hf(config.layer, context)
     out.update(
         architectures=["LlamaForCausalLMEagle3"],
         model_type="llama",
@@ -266,10 +266,12 @@ def save(
     *,
     layout: str = "eagle",
     embedding: Any | None = None,
+    context: int | None = None,
 ) -> None:
     """Writes the draft in the public layout (`layout` 'eagle' or 'speculators'), loadable by
     `load` and by engines that serve EAGLE-3 drafts; `embedding` [V,D] (the target's) is written
-    as `embed_tokens.weight` for engines that want the draft to carry it. Every process gathers
+    as `embed_tokens.weight` for engines that want the draft to carry it; `context` as in
+    `hf.save`. Every process gathers
     the weights (a collective: all call it) and process 0 writes, as `hf.save`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}.")
@@ -289,5 +291,5 @@ def save(
         return
     root = pathlib.Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / hf.CONFIG).write_text(json.dumps(config_to_json(config), indent=2) + "\n")
+    (root / hf.CONFIG).write_text(json.dumps(config_to_json(config, context), indent=2) + "\n")
     save_file(tensors, root / hf.SINGLE, metadata={"format": "pt"})

@@ -382,40 +382,25 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     lse, delta = (
         jnp.swapaxes(blocks.pad_rows(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta)
     )
-    args = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
-    call = functools.partial(_bwd_call, scale=scale, interpret=interpret)
+    inputs = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
+    call = functools.partial(_bwd_call, inputs=inputs, scale=scale, interpret=interpret)
     if tiles.dq is None:
-        dk, dv, dq = call("dkdv", tiles.dkdv, *args)
+        dk, dv, dq = call("dkdv", tiles.dkdv, dq0=dq0)
     else:
-        dk, dv = call("dkdv", tiles.dkdv, *args[:-1])
-        dq = call("dq", tiles.dq, *args)
+        dk, dv = call("dkdv", tiles.dkdv)
+        dq = call("dq", tiles.dq, dq0=dq0)
     return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
 
 
-def _bwd_call(
-    kind,
-    tile,
-    q,
-    k,
-    v,
-    q_seg,
-    q_pos,
-    k_seg,
-    k_pos,
-    lse,
-    dout,
-    delta,
-    dq0=None,
-    *,
-    scale,
-    interpret,
-):
-    """One backward kernel over padded inputs: "dkdv", a program per (key tile, row, KV head)
+def _bwd_call(kind, tile, inputs, dq0=None, *, scale, interpret):
+    """One backward kernel over padded `inputs` (q, k, v, their segments and positions, lse, dout,
+    delta): "dkdv", a program per (key tile, row, KV head)
     whose G query heads are a block of the head axis, returning (dk, dv), or (dk, dv, dq) when
     given `dq0` (the fused backward); "dq", a program per (query tile, row, query head),
     heaviest (last) query tiles first as in the forward, returning dq (dq0 plus this key set's)."""
     if kind == "dq" and dq0 is None:
         raise ValueError("the dQ kernel adds into a running dq: pass dq0 (zeros for none).")
+    q, k, v, q_seg, q_pos, k_seg, k_pos = inputs[:7]
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     g = hq // hkv
@@ -444,7 +429,7 @@ def _bwd_call(
     plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=by_key)
     in_specs = [pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), outer), q_spec, kv_spec, kv_spec]
     in_specs += [qtok, qtok, ktok, ktok, stat, q_spec, stat]
-    args = [plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta]
+    args = [plan, *inputs]
     aliases = {}
     if dq0 is not None:  # dq: dq0 plus this key set's, in place
         in_specs.append(q_spec)

@@ -27,7 +27,6 @@ TILES = pallas_gpu.Tiles(
     dkdv=pallas_gpu.Tile(16, 32, 4, 1),
     dq=pallas_gpu.Tile(16, 16, 4, 1),
 )
-FUSED = TILES._replace(dq=None)  # dQ added by the dK/dV kernel (atomic adds)
 KW = dict(tiles=TILES, interpret=True)
 TOL = 1e-5
 
@@ -66,8 +65,7 @@ def case():
     return rng, q, k, v, seg, pos
 
 
-@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
-def test_fwd_and_bwd_match_blocks(case, tiles):
+def test_fwd_and_bwd_match_blocks(case):
     rng, q, k, v, seg, pos = case
     args = (q, k, v, seg, pos, seg, pos)
     o, lse = pallas_gpu.fwd(*args, scale=0.3, **KW)
@@ -81,15 +79,14 @@ def test_fwd_and_bwd_match_blocks(case, tiles):
 
     do = normal(rng, o.shape)
     delta = jnp.sum(do * o_ref, axis=-1)
-    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.3, tiles=tiles, interpret=True)
+    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.3, **KW)
     want = blocks.bwd(*args, lse_ref, do, delta, scale=0.3, block_q=32, block_k=32)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == jnp.float32
         assert rel_err(g, w) < TOL
 
 
-@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
-def test_cross_attention_keys_out_of_order(tiles):
+def test_cross_attention_keys_out_of_order():
     """Keys in shuffled chunks (as on a ring step): runs with gaps, tiles seen in any order."""
     rng = np.random.default_rng(1)
     seg, pos = packed(128, [70, 58], 0)
@@ -104,14 +101,13 @@ def test_cross_attention_keys_out_of_order(tiles):
     assert rel_err(o, o_ref) < TOL and rel_err(lse, lse_ref) < TOL
     do = normal(rng, o.shape)
     delta = jnp.sum(do * o_ref, axis=-1)
-    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.2, tiles=tiles, interpret=True)
+    got = pallas_gpu.bwd(*args, lse_ref, do, delta, scale=0.2, **KW)
     want = blocks.bwd(*args, lse_ref, do, delta, scale=0.2, block_q=16, block_k=16)
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) < TOL
 
 
-@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
-def test_attention_grads_match_reference(case, tiles):
+def test_attention_grads_match_reference(case):
     rng, q, k, v, seg, pos = case
     ct = normal(rng, q.shape)
 
@@ -119,7 +115,7 @@ def test_attention_grads_match_reference(case, tiles):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct)
 
     def ours(q, k, v):
-        return attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=tiles)
+        return attention(q, k, v, seg, pos, impl="pallas_interpret", tiles=TILES)
 
     def ref(q, k, v):
         return reference_attention(q, k, v, seg, pos)
@@ -171,8 +167,7 @@ def test_available_and_supports():
     assert not pallas_gpu.supports(96) and not pallas_gpu.supports(8)
 
 
-@pytest.mark.parametrize("tiles", [TILES, FUSED], ids=["dq kernel", "fused"])
-def test_ring_with_branch_on_the_kernel(tiles):
+def test_ring_with_branch_on_the_kernel():
     """The kernel inside the ring (shard_map over 2 ranks) with a draft tree: outputs and grads."""
     rng = np.random.default_rng(5)
     t, n = 64, 6
@@ -193,7 +188,7 @@ def test_ring_with_branch_on_the_kernel(tiles):
 
         return jax.grad(f, argnums=(0, 1, 2, 3))
 
-    kernel = dict(impl="pallas_interpret", tiles=tiles)
+    kernel = dict(impl="pallas_interpret", tiles=TILES)
     ours = loss(lambda *a, **kw: context_parallel_attention(*a, mesh=mesh, **kernel, **kw))
     got = ours(q, k, v, bqkv)
     want = loss(reference_attention)(q, k, v, bqkv)

@@ -14,11 +14,8 @@ transposed plan.
 Kernels (flash-attention 2):
 - forward: one program per (query tile, row, query head), online softmax in base 2;
 - dK/dV: one program per (key tile, row, KV head), looping over the G query heads of its group
-  (its dK and dV need no atomics or reduction afterwards);
-- dQ: one program per (query tile, row, query head); or, with `Tiles(dq=None)`, none: the dK/dV
-  kernel adds each tile's dQ into a float32 dQ with atomic adds (5 products a tile pair, not 7:
-  the scores and dP are not recomputed, at the price of atomic traffic and of dQ's summation
-  order varying from run to run in its last bits).
+  (GQA without atomics or a reduction afterwards);
+- dQ: one program per (query tile, row, query head).
 The tile sizes are the kernel's own (`Tiles`); the caller's `block_q` / `block_k` only keep the
 signature of `blocks`. Lengths are padded here to whole tiles with segment 0 (sees nothing).
 """
@@ -57,8 +54,7 @@ class Tile(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """Tiles of the three kernels (`dq` None: no dQ kernel, the dK/dV kernel adds dQ in by atomic
-    adds). Sizes are powers of two >= 16 (Triton's dot).
+    """Tiles of the three kernels. Sizes are powers of two >= 16 (Triton's dot).
 
     The defaults won a sweep on one H200 (jax 0.11.2) at T=32K, 32/8 heads, D=128, bf16, causal:
     `jspec/bench/check_gpu_attention.py` reruns it.
@@ -66,7 +62,7 @@ class Tiles(NamedTuple):
 
     fwd: Tile = Tile(128, 128, 8, 3)
     dkdv: Tile = Tile(64, 128, 8, 3)
-    dq: Tile | None = Tile(128, 128, 8, 2)
+    dq: Tile = Tile(128, 128, 8, 2)
 
 
 TILES = Tiles()
@@ -223,14 +219,13 @@ def _dkdv_kernel(
     lse_ref,
     do_ref,
     delta_ref,
-    *refs,
+    dk_ref,
+    dv_ref,
+    *,
     scale,
     bq,
     groups,
 ):
-    """dK, dV of a key tile: `refs` (dk, dv), or fused (dq0, dk, dv, dq), each tile's dQ added
-    into dq (aliased to the input dq0) by atomic adds."""
-    dk_ref, dv_ref, dq_ref = (*refs, None) if len(refs) == 2 else refs[1:]
     k, v = k_ref[...], v_ref[...]
     bk, d = k.shape
     kseg, kpos = kseg_ref[...][:, None], kpos_ref[...][:, None]
@@ -248,10 +243,7 @@ def _dkdv_kernel(
                 p = jnp.where(seen, p, 0.0)
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta_ref[g, rows][None])
-            ds = ds.astype(q.dtype)
-            dk = dk + _dot(ds, q)
-            if dq_ref is not None:
-                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.T, k) * scale)
+            dk = dk + _dot(ds.astype(q.dtype), q)
             return dk, dv
 
         return _visit(plan_ref, body, carry)
@@ -312,7 +304,7 @@ def _check(q, k, tiles: Tiles):
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}.")
     if not supports(d):
         raise ValueError(f"the Pallas kernel needs a power-of-two head dim >= 16; got {d}.")
-    for t in filter(None, tiles):
+    for t in tiles:
         if min(t.q, t.k) < 16 or t.q & (t.q - 1) or t.k & (t.k - 1):
             raise ValueError(f"tiles must be powers of two >= 16; got {t}.")
 
@@ -369,84 +361,83 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpr
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, tiles, interpret):
-    """(dq0 plus this key set's dq, dk, dv): inputs padded to whole tiles, the statistics made
-    heads-first, then the dK/dV and dQ kernels, or the fused dK/dV kernel alone."""
     b, tq0, hq, d = q.shape
-    tk0 = k.shape[1]
-    used = [t for t in (tiles.dkdv, tiles.dq) if t is not None]
-    tq = blocks.round_up(tq0, max(t.q for t in used))
-    tk = blocks.round_up(tk0, max(t.k for t in used))
+    tk0, hkv = k.shape[1:3]
+    g = hq // hkv
+    tq = blocks.round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
+    tk = blocks.round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
     q, dout, q_seg, q_pos, dq0 = (blocks.pad_rows(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
     k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
     # Heads first for the per-row statistics: a query tile's values are contiguous.
     lse, delta = (
         jnp.swapaxes(blocks.pad_rows(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta)
     )
-    inputs = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
-    call = functools.partial(_bwd_call, inputs=inputs, scale=scale, interpret=interpret)
-    if tiles.dq is None:
-        dk, dv, dq = call("dkdv", tiles.dkdv, dq0=dq0)
-    else:
-        dk, dv = call("dkdv", tiles.dkdv)
-        dq = call("dq", tiles.dq, dq0=dq0)
-    return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
 
-
-def _bwd_call(kind, tile, inputs, dq0=None, *, scale, interpret):
-    """One backward kernel over padded `inputs` (q, k, v, their segments and positions, lse, dout,
-    delta): "dkdv", a program per (key tile, row, KV head)
-    whose G query heads are a block of the head axis, returning (dk, dv), or (dk, dv, dq) when
-    given `dq0` (the fused backward); "dq", a program per (query tile, row, query head),
-    heaviest (last) query tiles first as in the forward, returning dq (dq0 plus this key set's)."""
-    if kind == "dq" and dq0 is None:
-        raise ValueError("the dQ kernel adds into a running dq: pass dq0 (zeros for none).")
-    q, k, v, q_seg, q_pos, k_seg, k_pos = inputs[:7]
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1:3]
-    g = hq // hkv
-    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    if kind == "dkdv":
-        grid, by_key = (tk // tile.k, b, hkv), True
-        outer = lambda j, r, h: (r, j, 0)  # noqa: E731
-        q_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
-        kv_spec = pl.BlockSpec((_SQ, tile.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
-        qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
-        ktok = pl.BlockSpec((_SQ, tile.k), lambda j, r, h: (r, j))
-        stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
-        kernel = functools.partial(_dkdv_kernel, scale=scale, bq=tile.q, groups=g)
-        out_specs, out_shape = [kv_spec, kv_spec], [f32((b, tk, hkv, d))] * 2
-    else:
-        nq = tq // tile.q
-        grid, by_key = (nq, b, hq), False
-        outer = lambda i, r, h: (r, nq - 1 - i, 0)  # noqa: E731
-        q_spec = pl.BlockSpec((_SQ, tile.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
-        kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
-        qtok = pl.BlockSpec((_SQ, tile.q), lambda i, r, h: (r, nq - 1 - i))
-        ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
-        stat = pl.BlockSpec((_SQ, _SQ, tile.q), lambda i, r, h: (r, h, nq - 1 - i))
-        kernel = functools.partial(_dq_kernel, scale=scale, bk=tile.k)
-        out_specs, out_shape = [], []
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=by_key)
-    in_specs = [pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), outer), q_spec, kv_spec, kv_spec]
-    in_specs += [qtok, qtok, ktok, ktok, stat, q_spec, stat]
-    args = [plan, *inputs]
-    aliases = {}
-    if dq0 is not None:  # dq: dq0 plus this key set's, in place
-        in_specs.append(q_spec)
-        args.append(dq0)
-        aliases = {len(args) - 1: len(out_specs)}
-        out_specs, out_shape = [*out_specs, q_spec], [*out_shape, f32(q.shape)]
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs if len(out_specs) > 1 else out_specs[0],
-        out_shape=out_shape if len(out_shape) > 1 else out_shape[0],
-        input_output_aliases=aliases,
-        compiler_params=_params(tile),
+    # dK, dV: a program per (key tile, row, KV head); its G query heads: a block of the head axis.
+    t = tiles.dkdv
+    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=True)
+    qg_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
+    kv_spec = pl.BlockSpec((_SQ, t.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
+    qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
+    ktok = pl.BlockSpec((_SQ, t.k), lambda j, r, h: (r, j))
+    stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=scale, bq=t.q, groups=g),
+        grid=(tk // t.k, b, hkv),
+        in_specs=[
+            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda j, r, h: (r, j, 0)),
+            qg_spec,
+            kv_spec,
+            kv_spec,
+            qtok,
+            qtok,
+            ktok,
+            ktok,
+            stat,
+            qg_spec,
+            stat,
+        ],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)] * 2,
+        compiler_params=_params(t),
         interpret=interpret,
-        name=f"jspec_attention_{kind}",
-    )(*args)
+        name="jspec_attention_dkdv",
+    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
+
+    # dQ: a program per (query tile, row, query head).
+    t = tiles.dq
+    nq = tq // t.q  # heaviest (last) query tiles first, as in the forward
+    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=False)
+    q_spec = pl.BlockSpec((_SQ, t.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
+    qtok = pl.BlockSpec((_SQ, t.q), lambda i, r, h: (r, nq - 1 - i))
+    ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
+    stat = pl.BlockSpec((_SQ, _SQ, t.q), lambda i, r, h: (r, h, nq - 1 - i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, bk=t.k),
+        grid=(nq, b, hq),
+        in_specs=[
+            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda i, r, h: (r, nq - 1 - i, 0)),
+            q_spec,
+            kv_spec,
+            kv_spec,
+            qtok,
+            qtok,
+            ktok,
+            ktok,
+            stat,
+            q_spec,
+            stat,
+            q_spec,
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((b, tq, hq, d), jnp.float32),
+        input_output_aliases={11: 0},
+        compiler_params=_params(t),
+        interpret=interpret,
+        name="jspec_attention_dq",
+    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
+    return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -175,10 +175,9 @@ def check_attention(rng, d, dtype):
     return {"case": name, "limit": limit, "ok": ok, "padding_out_zero": pad_zero, **errs}
 
 
-def check_blocks(rng, fused=False):
+def check_blocks(rng):
     """The row of block-level `pallas_gpu.fwd`/`bwd` against `blocks.fwd`/`bwd`, float32, cross
-    attention against keys in shuffled chunks: what a ring step hands the kernel; `fused`: the
-    backward whose dK/dV kernel adds dQ in (`Tiles(dq=None)`)."""
+    attention against keys in shuffled chunks: what a ring step hands the kernel."""
     try:
         seg, pos = packed(rng, 1, 512, 120, 16)
         perm = np.concatenate([np.arange(c * 64, c * 64 + 64) for c in (5, 0, 7, 2, 1, 6, 3, 4)])
@@ -194,9 +193,7 @@ def check_blocks(rng, fused=False):
             delta = jnp.sum(do * o_ref, -1)
             g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*a, lse_ref, do, delta)
         o, lse = jax.jit(lambda *a: pallas_gpu.fwd(*a, **kw))(*a)
-        tiles = pallas_gpu.default_tiles(jnp.float32)
-        tiles = tiles._replace(dq=None) if fused else tiles
-        g = jax.jit(lambda *a: pallas_gpu.bwd(*a, **kw, tiles=tiles))(*a, lse_ref, do, delta)
+        g = jax.jit(lambda *a: pallas_gpu.bwd(*a, **kw))(*a, lse_ref, do, delta)
         fin = jnp.isfinite(lse_ref)
         errs = {
             "out": err(o, o_ref),
@@ -208,15 +205,13 @@ def check_blocks(rng, fused=False):
         ok = ok and errs["lse_inf_match"]
     except Exception as e:  # noqa: BLE001
         errs, ok = {"error": failed(e)}, False
-    name = "blocks fwd/bwd, keys out of order, f32" + (", fused backward" if fused else "")
-    return {"case": name, "limit": 1e-4, "ok": ok, **errs}
+    return {"case": "blocks fwd/bwd, keys out of order, f32", "limit": 1e-4, "ok": ok, **errs}
 
 
 def check_correctness(run, rng):
     """Section 1: every correctness row, PASS or FAIL, before any timing."""
     checks = [functools.partial(check_attention, rng, d, dtype) for d, dtype in CASES]
-    blocks_rows = [functools.partial(check_blocks, rng, fused) for fused in (False, True)]
-    for check in [*checks, *blocks_rows]:
+    for check in [*checks, functools.partial(check_blocks, rng)]:
         row = check()
         run.add("correctness", row, "PASS " if row["ok"] else "FAIL ")
 
@@ -341,8 +336,8 @@ def compare(run, x, tiles):
     same documents."""
     xs = (x.q, x.k, x.v)
 
-    def lib(impl, seg, pos, tl=tiles):
-        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl, tiles=tl)
+    def lib(impl, seg, pos):
+        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl, tiles=tiles)
 
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -354,11 +349,6 @@ def compare(run, x, tiles):
     ):
         fwd_fn = kernel_fwd(tiles, seg, pos, x.scale)
         rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
-    fused = lib("pallas", *x.causal, tiles._replace(dq=None))  # dQ added by the dK/dV kernel
-    fwd_fn = kernel_fwd(tiles, *x.causal, x.scale)
-    rows.append(
-        timed(run, "pallas causal, fused bwd", fwd_fn, fwd_bwd(fused, x.ct), x.causal_flops, xs)
-    )
     if not run.args.no_xla:
         xla = lib("xla", *x.docs)
         rows.append(
@@ -398,10 +388,6 @@ def summarize(rows):
     with contextlib.suppress(KeyError):
         summary["causal_fwd_bwd_vs_cudnn"] = ratio("fwd_bwd_ms", "cudnn causal", "pallas causal")
         summary["causal_fwd_vs_cudnn"] = ratio("fwd_ms", "cudnn causal", "pallas causal")
-    with contextlib.suppress(KeyError):
-        summary["causal_fused_fwd_bwd_vs_cudnn"] = ratio(
-            "fwd_bwd_ms", "cudnn causal", "pallas causal, fused bwd"
-        )
     with contextlib.suppress(KeyError):
         summary["packed_fwd_bwd_speedup_vs_xla"] = ratio(
             "fwd_bwd_ms", "attention(impl=xla) packed", "pallas packed docs"

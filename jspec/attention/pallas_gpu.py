@@ -361,9 +361,10 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, interpr
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, tiles, interpret):
+    """(dq0 plus this key set's dq, dk, dv): inputs padded to whole tiles, the statistics made
+    heads-first, then the dK/dV kernel and the dQ kernel."""
     b, tq0, hq, d = q.shape
-    tk0, hkv = k.shape[1:3]
-    g = hq // hkv
+    tk0 = k.shape[1]
     tq = blocks.round_up(tq0, max(tiles.dkdv.q, tiles.dq.q))
     tk = blocks.round_up(tk0, max(tiles.dkdv.k, tiles.dq.k))
     q, dout, q_seg, q_pos, dq0 = (blocks.pad_rows(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
@@ -372,72 +373,61 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     lse, delta = (
         jnp.swapaxes(blocks.pad_rows(x.astype(jnp.float32), tq), 1, 2) for x in (lse, delta)
     )
-
-    # dK, dV: a program per (key tile, row, KV head); its G query heads: a block of the head axis.
-    t = tiles.dkdv
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=True)
-    qg_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
-    kv_spec = pl.BlockSpec((_SQ, t.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
-    qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
-    ktok = pl.BlockSpec((_SQ, t.k), lambda j, r, h: (r, j))
-    stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=scale, bq=t.q, groups=g),
-        grid=(tk // t.k, b, hkv),
-        in_specs=[
-            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda j, r, h: (r, j, 0)),
-            qg_spec,
-            kv_spec,
-            kv_spec,
-            qtok,
-            qtok,
-            ktok,
-            ktok,
-            stat,
-            qg_spec,
-            stat,
-        ],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.float32)] * 2,
-        compiler_params=_params(t),
-        interpret=interpret,
-        name="jspec_attention_dkdv",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
-
-    # dQ: a program per (query tile, row, query head).
-    t = tiles.dq
-    nq = tq // t.q  # heaviest (last) query tiles first, as in the forward
-    plan = _plan(q_seg, q_pos, k_seg, k_pos, t.q, t.k, by_key=False)
-    q_spec = pl.BlockSpec((_SQ, t.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
-    kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
-    qtok = pl.BlockSpec((_SQ, t.q), lambda i, r, h: (r, nq - 1 - i))
-    ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
-    stat = pl.BlockSpec((_SQ, _SQ, t.q), lambda i, r, h: (r, h, nq - 1 - i))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bk=t.k),
-        grid=(nq, b, hq),
-        in_specs=[
-            pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), lambda i, r, h: (r, nq - 1 - i, 0)),
-            q_spec,
-            kv_spec,
-            kv_spec,
-            qtok,
-            qtok,
-            ktok,
-            ktok,
-            stat,
-            q_spec,
-            stat,
-            q_spec,
-        ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((b, tq, hq, d), jnp.float32),
-        input_output_aliases={11: 0},
-        compiler_params=_params(t),
-        interpret=interpret,
-        name="jspec_attention_dq",
-    )(plan, q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0)
+    inputs = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta)
+    call = functools.partial(_bwd_call, scale=scale, interpret=interpret)
+    dk, dv = call("dkdv", tiles.dkdv, inputs)
+    dq = call("dq", tiles.dq, (*inputs, dq0))
     return dq[:, :tq0], dk[:, :tk0], dv[:, :tk0]
+
+
+def _bwd_call(kind, tile, inputs, *, scale, interpret):
+    """One backward kernel over padded `inputs` (q, k, v, their segments and positions, lse,
+    dout, delta; for "dq" then the running dq0): "dkdv", a program per (key tile, row, KV head)
+    whose G query heads are a block of the head axis, returning (dk, dv); "dq", a program per
+    (query tile, row, query head), heaviest (last) query tiles first as in the forward, returning
+    dq0 plus this key set's dq (in place)."""
+    q, k, v, q_seg, q_pos, k_seg, k_pos = inputs[:7]
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1:3]
+    g = hq // hkv
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    if kind == "dkdv":
+        grid, by_key = (tk // tile.k, b, hkv), True
+        outer = lambda j, r, h: (r, j, 0)  # noqa: E731
+        q_spec = pl.BlockSpec((_SQ, tq, g, d), lambda j, r, h: (r, 0, h, 0))
+        kv_spec = pl.BlockSpec((_SQ, tile.k, _SQ, d), lambda j, r, h: (r, j, h, 0))
+        qtok = pl.BlockSpec((_SQ, tq), lambda j, r, h: (r, 0))
+        ktok = pl.BlockSpec((_SQ, tile.k), lambda j, r, h: (r, j))
+        stat = pl.BlockSpec((_SQ, g, tq), lambda j, r, h: (r, h, 0))
+        kernel = functools.partial(_dkdv_kernel, scale=scale, bq=tile.q, groups=g)
+        out_specs, out_shape = [kv_spec, kv_spec], [f32((b, tk, hkv, d))] * 2
+        running, aliases = [], {}
+    else:
+        nq = tq // tile.q
+        grid, by_key = (nq, b, hq), False
+        outer = lambda i, r, h: (r, nq - 1 - i, 0)  # noqa: E731
+        q_spec = pl.BlockSpec((_SQ, tile.q, _SQ, d), lambda i, r, h: (r, nq - 1 - i, h, 0))
+        kv_spec = pl.BlockSpec((_SQ, tk, _SQ, d), lambda i, r, h: (r, 0, h // g, 0))
+        qtok = pl.BlockSpec((_SQ, tile.q), lambda i, r, h: (r, nq - 1 - i))
+        ktok = pl.BlockSpec((_SQ, tk), lambda i, r, h: (r, 0))
+        stat = pl.BlockSpec((_SQ, _SQ, tile.q), lambda i, r, h: (r, h, nq - 1 - i))
+        kernel = functools.partial(_dq_kernel, scale=scale, bk=tile.k)
+        out_specs, out_shape = q_spec, f32(q.shape)
+        running, aliases = [q_spec], {len(inputs): 0}  # dq0 (after the plan) is the output
+    plan = _plan(q_seg, q_pos, k_seg, k_pos, tile.q, tile.k, by_key=by_key)
+    in_specs = [pl.BlockSpec((_SQ, _SQ, plan.shape[-1]), outer), q_spec, kv_spec, kv_spec]
+    in_specs += [qtok, qtok, ktok, ktok, stat, q_spec, stat, *running]
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=_params(tile),
+        interpret=interpret,
+        name=f"jspec_attention_{kind}",
+    )(plan, *inputs)
 
 
 # ---------------------------------------------------------------------------------------------

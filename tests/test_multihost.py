@@ -10,8 +10,10 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
+from jspec import hosts
 from jspec.config import ConfigError
 from jspec.jobs import distributed, train_rl
 
@@ -143,3 +145,24 @@ def test_incomplete_cluster_settings_name_what_is_missing():
         distributed.cluster(flags(coordinator="h:1"), {})
     with pytest.raises(ConfigError, match="--process-id=4 must be in"):
         distributed.cluster(flags(coordinator="h:1", num_processes=4, process_id=4), {})
+
+
+def three_processes(monkeypatch, blocks, values):
+    """`hosts.gather` as three processes holding row blocks `blocks` see it: each process's
+    `process_allgather` returns every process's value, stacked."""
+    monkeypatch.setattr(hosts.jax, "process_count", lambda: 3)
+    answers = iter([np.array([[b.start, b.stop] for b in blocks]), np.stack(values)])
+    monkeypatch.setattr(hosts.multihost_utils, "process_allgather", lambda x: next(answers))
+
+
+def test_gather_counts_a_block_that_several_processes_hold_once(monkeypatch):
+    blocks = [slice(4, 8), slice(0, 4), slice(4, 8)]  # processes 0 and 2 hold the same rows
+    three_processes(monkeypatch, blocks, [np.array([5, 6]), np.array([1, 2]), np.array([5, 6])])
+    np.testing.assert_array_equal(hosts.gather(np.array([5, 6]), blocks[0]), [1, 2, 5, 6])
+
+
+def test_gather_refuses_blocks_that_overlap(monkeypatch):
+    blocks = [slice(0, 4), slice(2, 6), slice(4, 8)]
+    three_processes(monkeypatch, blocks, [np.zeros(2)] * 3)
+    with pytest.raises(ValueError, match="do not split the rows into disjoint blocks"):
+        hosts.gather(np.zeros(2), blocks[0])

@@ -225,7 +225,8 @@ def test_a_mixture_of_experts_report_states_its_assumptions(capsys, planner_env)
     lines = capsys.readouterr().out.splitlines()
     assert (
         lines[0]
-        == f"CPU estimate (XLA CPU compiler of jax {jax.__version__} on 2 virtual devices) of tiny"
+        == f"CPU estimate (XLA CPU compiler of jax {jax.__version__} on 2 virtual devices; "
+        f"{plan.CPU_OVER_GPU} a GPU compile's peak) of tiny"
     )
     assert lines[2:5] == [
         "mixture of experts: 4 of 8 experts per device (split over data x context, 2 devices), "

@@ -179,13 +179,18 @@ def kernel_state(
 
 
 def _merge_splits(m, l, acc):
-    """One online-softmax state from the splits' (axis 2), by their log-sum-exp."""
-    if m.shape[2] == 1:
-        return m[:, :, 0], l[:, :, 0], acc[:, :, 0]
-    m_all = jnp.max(m, axis=2)
+    """One online-softmax state from the splits' (axis 2), by their log-sum-exp. Written as
+    elementwise steps over the splits (a few dozen at most, static), which XLA fuses into one
+    kernel with what follows; reductions over the axis took two kernels a layer."""
+    ms, ls, accs = ([x[:, :, i] for i in range(m.shape[2])] for x in (m, l, acc))
+    m_all = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    w = jnp.exp(m - m_safe[:, :, None])  # 0 for a split that saw nothing (m = -inf)
-    return m_all, jnp.sum(l * w, axis=2), jnp.sum(acc * w[..., None], axis=2)
+    w = [jnp.exp(mi - m_safe) for mi in ms]  # 0 for a split that saw nothing (m = -inf)
+    l_all = functools.reduce(jnp.add, (li * wi for li, wi in zip(ls, w, strict=True)))
+    acc_all = functools.reduce(
+        jnp.add, (ai * wi[..., None] for ai, wi in zip(accs, w, strict=True))
+    )
+    return m_all, l_all, acc_all
 
 
 def attention_state(

@@ -103,6 +103,11 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     qkv_KNED = jnp.transpose(qkv, (1, 2, 3, 0))
     layer.w_qkv = nnx.Param(constrain(qkv_KNED, ("kv_heads", None, "head_dim", input_axis)))
     layer.wq = layer.wk = layer.wv = None
+    if getattr(layer, "k_norm", None) is not None:  # Qwen3's q and k norms as one (`project_qkv`)
+        qk_norm = jnp.concatenate(
+            [jnp.broadcast_to(layer.q_norm[...], (h // k, e)), layer.k_norm[...][None]]
+        )
+        layer.q_norm, layer.k_norm = nnx.Param(constrain(qk_norm, (None, "norm"))), None
     wo_DHE = jnp.transpose(layer.wo[...], (2, 0, 1))
     layer.wo = nnx.Param(constrain(wo_DHE, ("embed", "heads", "head_dim")))
     if mlp:
@@ -123,26 +128,37 @@ def attention_sublayer(
     Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
     attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
     """
-    q_BTHE, k_BTKE, v_BTKE = (scaled(y, input_scale) for y in project_qkv(h_BTD, w_qkv))
-    if q_norm is not None:
-        q_BTHE = rms_norm(q_BTHE, q_norm, eps)
-        k_BTKE = rms_norm(k_BTKE, k_norm, eps)
+    norms = (q_norm, k_norm, eps)
+    q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv, input_scale, norms)
     q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
     o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
     out = "bthe,hed->btd" if isinstance(w_qkv, tuple) else "bthe,dhe->btd"
     return jnp.einsum(out, o_BTHE, wo), (k_BTKE, v_BTKE)
 
 
-def project_qkv(h_BTD, w_qkv):
+def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
     """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
-    fused [K, G+2, E, D] (`fuse_products`), query head h = KV head h // G."""
+    fused [K, G+2, E, D] (`fuse_products`), query head h = KV head h // G; times `input_scale`
+    [B,T,1] if given. `norms` (q_norm, k_norm, eps): with Qwen3's norms, q and k RMS-normed per
+    head. In the fused layout `fuse_products` made q_norm [G+1, E] (q's weight G times, then k's)
+    and k_norm None: each KV head's queries and key are normed together, as the product wrote
+    them, in one kernel of a rollout step where two norms took two and their slices a third."""
+    q_norm, k_norm, eps = norms
     if isinstance(w_qkv, tuple):
         wq, wk, wv = w_qkv
-        q_BTHE = jnp.einsum("btd,dhe->bthe", h_BTD, wq)
-        return q_BTHE, *(jnp.einsum("btd,dke->btke", h_BTD, w) for w in (wk, wv))
-    qkv = jnp.einsum("btd,kned->btkne", h_BTD, w_qkv)
+        q_BTHE = scaled(jnp.einsum("btd,dhe->bthe", h_BTD, wq), input_scale)
+        k_BTKE, v_BTKE = (
+            scaled(jnp.einsum("btd,dke->btke", h_BTD, w), input_scale) for w in (wk, wv)
+        )
+        if q_norm is not None:
+            q_BTHE, k_BTKE = rms_norm(q_BTHE, q_norm, eps), rms_norm(k_BTKE, k_norm, eps)
+        return q_BTHE, k_BTKE, v_BTKE
+    qkv = scaled(jnp.einsum("btd,kned->btkne", h_BTD, w_qkv), input_scale)
     b, t, k, n, e = qkv.shape
-    return qkv[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qkv[:, :, :, -2], qkv[:, :, :, -1]
+    qk, v = qkv[:, :, :, : n - 1], qkv[:, :, :, -1]
+    if q_norm is not None:
+        qk = rms_norm(qk, q_norm, eps)
+    return qk[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qk[:, :, :, -1], v
 
 
 def swiglu(h_BTD, w_in, w_down, input_scale=None):

@@ -182,6 +182,8 @@ def _merge_splits(m, l, acc):
     """One online-softmax state from the splits' (axis 2), by their log-sum-exp. Written as
     elementwise steps over the splits (a few dozen at most, static), which XLA fuses into one
     kernel with what follows; reductions over the axis took two kernels a layer."""
+    if m.shape[2] == 1:
+        return m[:, :, 0], l[:, :, 0], acc[:, :, 0]
     ms, ls, accs = ([x[:, :, i] for i in range(m.shape[2])] for x in (m, l, acc))
     m_all = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)

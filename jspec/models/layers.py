@@ -104,10 +104,10 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     layer.w_qkv = nnx.Param(constrain(qkv_KNED, ("kv_heads", None, "head_dim", input_axis)))
     layer.wq = layer.wk = layer.wv = None
     if getattr(layer, "k_norm", None) is not None:  # Qwen3's q and k norms as one (`project_qkv`)
-        qk_norm = jnp.concatenate(
-            [jnp.broadcast_to(layer.q_norm[...], (h // k, e)), layer.k_norm[...][None]]
-        )
-        layer.q_norm, layer.k_norm = nnx.Param(constrain(qk_norm, (None, "norm"))), None
+        q_norm, k_norm = layer.q_norm[...], layer.k_norm[...]
+        rows = [jnp.broadcast_to(q_norm, (h // k, e)), k_norm[None], jnp.ones((1, e), k_norm.dtype)]
+        qkv_norm = constrain(jnp.concatenate(rows), (None, "norm"))
+        layer.q_norm, layer.k_norm = nnx.Param(qkv_norm), None
     wo_DHE = jnp.transpose(layer.wo[...], (2, 0, 1))
     layer.wo = nnx.Param(constrain(wo_DHE, ("embed", "heads", "head_dim")))
     if mlp:
@@ -140,9 +140,11 @@ def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
     """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
     fused [K, G+2, E, D] (`fuse_products`), query head h = KV head h // G; times `input_scale`
     [B,T,1] if given. `norms` (q_norm, k_norm, eps): with Qwen3's norms, q and k RMS-normed per
-    head. In the fused layout `fuse_products` made q_norm [G+1, E] (q's weight G times, then k's)
-    and k_norm None: each KV head's queries and key are normed together, as the product wrote
-    them, in one kernel of a rollout step where two norms took two and their slices a third."""
+    head. In the fused layout `fuse_products` made q_norm [G+2, E] (q's weight G times, k's, and
+    ones) and k_norm None: the product's output is normed whole, as it was written, and v taken
+    from before the norm. One kernel of a rollout step, where the two norms and the slices of the
+    product feeding them took up to four; norming v's head too costs 1 / (G+2) more of a small
+    fusion."""
     q_norm, k_norm, eps = norms
     if isinstance(w_qkv, tuple):
         wq, wk, wv = w_qkv
@@ -155,10 +157,9 @@ def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
         return q_BTHE, k_BTKE, v_BTKE
     qkv = scaled(jnp.einsum("btd,kned->btkne", h_BTD, w_qkv), input_scale)
     b, t, k, n, e = qkv.shape
-    qk, v = qkv[:, :, :, : n - 1], qkv[:, :, :, -1]
-    if q_norm is not None:
-        qk = rms_norm(qk, q_norm, eps)
-    return qk[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e), qk[:, :, :, -1], v
+    normed = qkv if q_norm is None else rms_norm(qkv, q_norm, eps)
+    q_BTHE = normed[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e)
+    return q_BTHE, normed[:, :, :, -2], qkv[:, :, :, -1]
 
 
 def swiglu(h_BTD, w_in, w_down, input_scale=None):

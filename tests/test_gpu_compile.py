@@ -20,8 +20,16 @@ pytestmark = pytest.mark.skipif(
 # Small enough that XLA's GPU compiler turns each of a decode step's products into a reduction
 # (it does so up to about 8M weights), large enough that a weight outweighs every activation.
 MODEL = ["model.hidden_size=512", "model.num_heads=4", "model.num_kv_heads=2"]
-MODEL += ["model.head_dim=128", "model.intermediate_size=1024", "model.num_layers=2"]
+MODEL += ["model.head_dim=128", "model.intermediate_size=1024"]
 HIDDEN, WIDTH, MLP = 512, 4 * 128, 1024
+
+
+def decode_kernels(tmp_path, batch: int, *overrides: str) -> list:
+    """The kernels of the decode loop's body of the tiny config at `MODEL`, compiled for an H200."""
+    argv = ["--config", "tiny", "--batch", str(batch), "--prompt", "48", "--new", "16", *MODEL]
+    args = kernel_census.parse_args([*argv, *overrides, "--out", str(tmp_path / "census.json")])
+    compiled, _ = kernel_census.compile_rollout(args)
+    return kernel_census.decode_loop(kernel_census.loop_bodies(compiled.as_text()))
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -29,13 +37,23 @@ def test_a_decode_step_writes_no_weight_sized_array(batch, tmp_path):
     """Every product of a decode step reads its weight once: no kernel of the loop writes an
     array as large as the smallest weight (the attention output's, H*E x D), as XLA's GPU
     compiler does for a matrix-vector product over a small weight stored inputs first."""
-    argv = ["--config", "tiny", "--batch", str(batch), "--prompt", "48", "--new", "16", *MODEL]
-    args = kernel_census.parse_args([*argv, "--out", str(tmp_path / "census.json")])
-    compiled, cfg = kernel_census.compile_rollout(args)
-    kernels = kernel_census.decode_loop(kernel_census.loop_bodies(compiled.as_text()))
-    assert len(kernels) > 10 * cfg.model.num_layers, kernels  # the decode loop's body
+    kernels = decode_kernels(tmp_path, batch, "model.num_layers=2")
+    assert len(kernels) > 10 * 2, kernels  # the decode loop's body
     largest = max(kernels, key=lambda k: k.elements)
     assert largest.elements < min(WIDTH * HIDDEN, HIDDEN * MLP), largest
+
+
+# A layer's kernels in a decode step as jax 0.10 compiles it (Qwen3's q/k norms, folded
+# input norms): the products, one norm for q and k, q's rotary, the cache writes, the attention
+# kernel and its merge, residual adds and the MLP's activation. More is a fusion lost.
+LAYER_KERNELS = {1: 13, 8: 15}
+
+
+@pytest.mark.parametrize("batch", sorted(LAYER_KERNELS))
+def test_a_decode_layer_launches_few_kernels(batch, tmp_path):
+    """What one more layer adds to a decode step's kernels stays within its budget."""
+    two, four = (len(decode_kernels(tmp_path, batch, f"model.num_layers={n}")) for n in (2, 4))
+    assert (four - two) / 2 <= LAYER_KERNELS[batch], (two, four)
 
 
 def test_the_census_prints_its_table(capsys, tmp_path):

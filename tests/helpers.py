@@ -48,6 +48,19 @@ def chi_square_p_value(codes, joint) -> float:
     return float(gammaincc((expected.size - 1) / 2, stat / 2))
 
 
+def moved(state, seed: int, names: tuple[str, ...] = ("norm",), scale: float = 0.3):
+    """`state` with each leaf whose path names one of `names` moved by normal noise of `scale`:
+    a norm's weight off its start of 1 (or an output off its zero start), so a test sees it."""
+    leaves = jax.tree.leaves(state)
+    key = iter(jax.random.split(jax.random.key(seed), len(leaves)))
+
+    def move(path, x):
+        hit = any(name in str(path) for name in names)
+        return x + scale * jax.random.normal(next(key), x.shape) if hit else x
+
+    return jax.tree_util.tree_map_with_path(move, state)
+
+
 def noisy_copy(model, scale: float, seed: int = 0):
     """The model with Gaussian noise of `scale` times each parameter's RMS added to it: a draft
     that agrees with the model only in part."""

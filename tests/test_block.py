@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import close
+from helpers import close, moved
 from safetensors.numpy import load_file, save_file
 
 from jspec.config import ConfigError, DraftConfig, ModelConfig, RolloutConfig, TreeConfig
@@ -46,13 +46,7 @@ def setup(request):
     config = BlockConfig.for_target(TARGET, BLOCK, num_layers=2, chained=request.param)
     draft = create_block(config, seed=1)
     graphdef, state = nnx.split(draft)
-    key = iter(jax.random.split(jax.random.key(2), 16))
-
-    def bump(path, x):
-        moved = "norm" in str(path) or "chain_out" in str(path)
-        return x + 0.3 * jax.random.normal(next(key), x.shape) if moved else x
-
-    draft = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(bump, state))
+    draft = nnx.merge(graphdef, moved(state, seed=2, names=("norm", "chain_out")))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, TARGET.vocab_size, (1, T)))
     _, taps = target(tokens, features="taps")
     return target, draft, tokens, taps

@@ -5,6 +5,7 @@ attention kernels, run inside its stages. Needs jax's
 CUDA plugin (`pip install -e '.[gpu]'`, there on the GPU machines); without it the tests skip
 and say so."""
 
+import functools
 import re
 
 import pytest
@@ -24,20 +25,22 @@ MODEL += ["model.head_dim=128", "model.intermediate_size=1024"]
 HIDDEN, WIDTH, MLP = 512, 4 * 128, 1024
 
 
-def decode_kernels(tmp_path, batch: int, *overrides: str) -> list:
-    """The kernels of the decode loop's body of the tiny config at `MODEL`, compiled for an H200."""
+@functools.cache
+def decode_kernels(batch: int, layers: int) -> list:
+    """The kernels of the decode loop's body of the tiny config at `MODEL` with `layers` layers,
+    compiled for an H200 (once: tests share it)."""
     argv = ["--config", "tiny", "--batch", str(batch), "--prompt", "48", "--new", "16", *MODEL]
-    args = kernel_census.parse_args([*argv, *overrides, "--out", str(tmp_path / "census.json")])
+    args = kernel_census.parse_args([*argv, f"model.num_layers={layers}"])
     compiled, _ = kernel_census.compile_rollout(args)
     return kernel_census.decode_loop(kernel_census.loop_bodies(compiled.as_text()))
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_a_decode_step_writes_no_weight_sized_array(batch, tmp_path):
+def test_a_decode_step_writes_no_weight_sized_array(batch):
     """Every product of a decode step reads its weight once: no kernel of the loop writes an
     array as large as the smallest weight (the attention output's, H*E x D), as XLA's GPU
     compiler does for a matrix-vector product over a small weight stored inputs first."""
-    kernels = decode_kernels(tmp_path, batch, "model.num_layers=2")
+    kernels = decode_kernels(batch, 2)
     assert len(kernels) > 10 * 2, kernels  # the decode loop's body
     largest = max(kernels, key=lambda k: k.elements)
     assert largest.elements < min(WIDTH * HIDDEN, HIDDEN * MLP), largest
@@ -50,9 +53,9 @@ LAYER_KERNELS = {1: 13, 8: 15}
 
 
 @pytest.mark.parametrize("batch", sorted(LAYER_KERNELS))
-def test_a_decode_layer_launches_few_kernels(batch, tmp_path):
+def test_a_decode_layer_launches_few_kernels(batch):
     """What one more layer adds to a decode step's kernels stays within its budget."""
-    two, four = (len(decode_kernels(tmp_path, batch, f"model.num_layers={n}")) for n in (2, 4))
+    two, four = (len(decode_kernels(batch, n)) for n in (2, 4))
     assert (four - two) / 2 <= LAYER_KERNELS[batch], (two, four)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from helpers import close
+from helpers import close, moved
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
@@ -45,9 +45,7 @@ def saved(tmp_path_factory):
     target = create(TARGET, seed=0)
     head = create_mtp(MTPConfig.for_target(TARGET), seed=1)
     graphdef, state = nnx.split(head)
-    key = iter(jax.random.split(jax.random.key(2), 8))
-    bump = lambda p, x: x + 0.3 * jax.random.normal(next(key), x.shape) if "norm" in str(p) else x
-    head = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(bump, state))
+    head = nnx.merge(graphdef, moved(state, seed=2))
     hf.save(path, target)
     hf_mtp.save(path, head)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, TARGET.vocab_size, (1, T)))

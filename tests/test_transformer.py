@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import close
+from helpers import close, moved
 from jax.ad_checkpoint import print_saved_residuals
 
 from jspec.config import ConfigError, KernelConfig, MeshConfig, ModelConfig
@@ -251,8 +251,9 @@ def test_rollout_on_a_mesh_matches_one_device(model, fns, backend):
 def test_for_rollout_computes_what_the_model_computes(model, fns, dtype):
     """The unstacked copy of the rollout loop, its products fused, its input norms folded into
     them and its float32 weights cast to the compute dtype once: the same prefill and decode (of
-    the same token) to the compute dtype's rounding, the original left stacked."""
-    state, *_ = fns
+    the same token) to the compute dtype's rounding, the original left stacked. Its norms are
+    moved off 1, so that each (input norms folded, q and k norms joined) is tested."""
+    state = moved(fns[0], seed=4)
     graphdef = graphdef_for(dataclasses.replace(CONFIG, dtype=dtype))
     prompt = np.random.RandomState(9).randint(0, CONFIG.vocab_size, (2, 6)).astype(np.int32)
     token = np.array([3, 7], np.int32)

@@ -43,6 +43,7 @@ class Tiling:
 
 
 TILING = Tiling()
+_UNROLLED_SPLITS = 32  # `_merge_splits`: at most this many splits merge in one fusion
 _LOG2E = math.log2(math.e)
 
 State = tuple[Float[Array, "b r k g"], Float[Array, "b r k g"], Float[Array, "b r k g d"]]
@@ -179,11 +180,19 @@ def kernel_state(
 
 
 def _merge_splits(m, l, acc):
-    """One online-softmax state from the splits' (axis 2), by their log-sum-exp. Written as
-    elementwise steps over the splits (a few dozen at most, static), which XLA fuses into one
-    kernel with what follows; reductions over the axis took two kernels a layer."""
-    if m.shape[2] == 1:
+    """One online-softmax state from the splits' (axis 2), by their log-sum-exp. Up to
+    `_UNROLLED_SPLITS` splits it is written as elementwise steps over them, which XLA fuses into
+    one kernel with what follows, where reductions over the axis take two kernels a layer; more
+    splits (a long cache over a few KV heads, where the attention outweighs a launch) merge by
+    reductions, so that the program does not grow with them."""
+    n = m.shape[2]
+    if n == 1:
         return m[:, :, 0], l[:, :, 0], acc[:, :, 0]
+    if n > _UNROLLED_SPLITS:
+        m_all = jnp.max(m, axis=2)
+        m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+        w = jnp.exp(m - m_safe[:, :, None])  # 0 for a split that saw nothing (m = -inf)
+        return m_all, jnp.sum(l * w, axis=2), jnp.sum(acc * w[..., None], axis=2)
     ms, ls, accs = ([x[:, :, i] for i in range(m.shape[2])] for x in (m, l, acc))
     m_all = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)

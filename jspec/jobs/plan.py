@@ -396,7 +396,7 @@ def _flop(n: float) -> str:
     return f"{n / 1e12:>9.1f} TFLOP" if n >= 1e11 else f"{n / 1e9:>9.2f} GFLOP"
 
 
-CPU_OVER_GPU = "measured 1.1-2.4x"  # BENCHMARKS.md, "The planner's report"
+CPU_OVER_GPU = "1.1-2.4x"  # BENCHMARKS.md, "The planner's report"
 
 
 def target(
@@ -412,8 +412,8 @@ def target(
         described = f"; from --gpu-target {gpu_target}, no GPU: untuned" if gpu_target else ""
         return f"{name} compile ({compiler} for topology {topology}, {chips}{described})"
     if p.platform == "cpu":
-        devices = f"{devices} virtual device{'s' * (devices > 1)}"
-        return f"CPU estimate ({compiler} on {devices}; {CPU_OVER_GPU} a GPU compile's peak)"
+        virtual = f"{devices} virtual device{'s' * (devices > 1)}"
+        return f"CPU estimate ({compiler} on {virtual}; {CPU_OVER_GPU} a GPU compile's peak)"
     return f"{name} compile ({compiler} for {devices} {p.device_kind})"
 
 

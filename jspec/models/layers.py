@@ -90,8 +90,9 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     """`layer` (a copy, changed in place) in the rollout's layout, every weight stored outputs
     first: wq, wk, wv replaced by w_qkv [K, G+2, E, D] (each KV head's G query heads, then its k
     and v; `project_qkv` reads it), wo as [D, H, E]; with `mlp`, w_gate and w_up by w_gate_up
-    [2, F, D] and w_down as [D, F] (`swiglu` reads them). Two products instead of five, and for a
-    matrix-vector product (a decode step at batch 1) one kernel that reduces each output's
+    [2, F, D] and w_down as [D, F] (`swiglu` reads them); Qwen3's q_norm and k_norm by one
+    q_norm [G+2, E] and k_norm None (`project_qkv` says why). Two products instead of five, and
+    for a matrix-vector product (a decode step at batch 1) one kernel that reduces each output's
     contiguous row: with its inputs first, XLA's GPU compiler writes a small weight times its
     input to memory before reducing it, a second weight's worth of traffic. `constrain(x,
     logical axis names)` places the weights; `input_axis` names the q/k/v products' input axis."""
@@ -155,6 +156,8 @@ def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
         if q_norm is not None:
             q_BTHE, k_BTKE = rms_norm(q_BTHE, q_norm, eps), rms_norm(k_BTKE, k_norm, eps)
         return q_BTHE, k_BTKE, v_BTKE
+    if k_norm is not None:
+        raise ValueError("a fused w_qkv is normed by fuse_products' joint q_norm (k_norm None)")
     qkv = scaled(jnp.einsum("btd,kned->btkne", h_BTD, w_qkv), input_scale)
     b, t, k, n, e = qkv.shape
     normed = qkv if q_norm is None else rms_norm(qkv, q_norm, eps)

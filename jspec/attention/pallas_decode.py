@@ -193,7 +193,7 @@ def _merge_splits(m, l, acc):
         m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
         w = jnp.exp(m - m_safe[:, :, None])  # 0 for a split that saw nothing (m = -inf)
         return m_all, jnp.sum(l * w, axis=2), jnp.sum(acc * w[..., None], axis=2)
-    ms, ls, accs = ([x[:, :, i] for i in range(m.shape[2])] for x in (m, l, acc))
+    ms, ls, accs = ([x[:, :, i] for i in range(n)] for x in (m, l, acc))
     m_all = functools.reduce(jnp.maximum, ms)
     m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
     w = [jnp.exp(mi - m_safe) for mi in ms]  # 0 for a split that saw nothing (m = -inf)

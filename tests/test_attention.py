@@ -648,6 +648,27 @@ def test_check_alignment_accepts_aligned_rows():
     zigzag.check_alignment(seg, 2)
 
 
+def test_decode_splits_merge_alike_by_steps_and_by_reductions():
+    """The decode kernel's splits merge by elementwise steps (up to `_UNROLLED_SPLITS`) or by
+    reductions over the axis (more): 40 splits at once (reductions) equal two halves merged by
+    steps, then merged again; splits and whole rows that saw nothing (m = -inf, l = acc = 0)
+    included."""
+    rng = np.random.default_rng(13)
+    b, k, n, r, d = 2, 3, 40, 4, 8
+    assert n > pallas_decode._UNROLLED_SPLITS >= n // 2
+    m = jnp.asarray(rng.normal(size=(b, k, n, r)), jnp.float32)
+    unseen = jnp.asarray(rng.random((b, k, n, r)) < 0.3).at[0, 0, :, 0].set(True)
+    m = jnp.where(unseen, -jnp.inf, m)
+    l = jnp.where(unseen, 0.0, jnp.asarray(rng.random((b, k, n, r)) + 0.5, jnp.float32))
+    acc = jnp.where(unseen[..., None], 0.0, normal(rng, b, k, n, r, d))
+    halves = [pallas_decode._merge_splits(*(x[:, :, i : i + n // 2] for x in (m, l, acc)))
+              for i in (0, n // 2)]  # fmt: skip
+    stacked = (jnp.stack(parts, axis=2) for parts in zip(*halves, strict=True))
+    got, want = pallas_decode._merge_splits(m, l, acc), pallas_decode._merge_splits(*stacked)
+    for g, w in zip(got, want, strict=True):  # -inf where equal: no relative error of it
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_pallas_tpu_decode_kernel_folds_only_filled_blocks():
     """The TPU kernel (interpreted) over caches of several of its 128-slot blocks, rows filled to
     different depths (the blocks past a row's last filled slot are skipped), and a tree: the state

@@ -49,19 +49,23 @@ _LOG2E = math.log2(math.e)
 State = tuple[Float[Array, "b r k g"], Float[Array, "b r k g"], Float[Array, "b r k g d"]]
 
 
-def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, block_k, n_split):
+def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, block_k, n_split, rows, nodes):
     # The cache's keys, values, ids and positions; the branch's keys, values and [tile, N] mask
-    # (if given); the outputs.
+    # (if given); the outputs. The query tile and the branch block reach past their arrays' ends
+    # (`rows` query rows, `nodes` branch keys): loads there read 0 (segment 0: nothing seen) and
+    # stores are dropped, where padding the arrays in XLA took a kernel a layer.
     k_ref, v_ref, kseg_ref, kpos_ref, *branch_refs, m_ref, l_ref, acc_ref = refs
-    q = q_ref[...]
-    qt, d = q.shape
-    qseg, qpos = qseg_ref[...][:, None], qpos_ref[...][:, None]
+    tile, d = q_ref.shape
+    row_ok = pl.program_id(2) * tile + jnp.arange(tile) < rows
+    load = lambda ref, ok: plgpu.load(ref, mask=ok, other=0)
+    q = load(q_ref, row_ok[:, None]).astype(k_ref.dtype)  # one dtype for the tensor-core dots
+    qseg, qpos = (load(ref, row_ok)[:, None] for ref in (qseg_ref, qpos_ref))
     fold = functools.partial(_fold, q, scale * _LOG2E)
 
     def body(j, state):
-        rows = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        seen = masks.visible(qseg, qpos, kseg_ref[rows][None], kpos_ref[rows][None])
-        return fold(state, k_ref[rows, :], v_ref[rows, :], seen)
+        slots = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        seen = masks.visible(qseg, qpos, kseg_ref[slots][None], kpos_ref[slots][None])
+        return fold(state, k_ref[slots, :], v_ref[slots, :], seen)
 
     # The row's filled blocks, shared among the splits (a cache fills as the rollout goes on).
     live = live_ref[0]
@@ -69,19 +73,22 @@ def _kernel(live_ref, q_ref, qseg_ref, qpos_ref, *refs, scale, block_k, n_split)
     lo = pl.program_id(3) * per_split
     hi = jnp.minimum(lo + per_split, live)
     init = (
-        jnp.full((qt,), -jnp.inf, jnp.float32),
-        jnp.zeros((qt,), jnp.float32),
-        jnp.zeros((qt, d), jnp.float32),
+        jnp.full((tile,), -jnp.inf, jnp.float32),
+        jnp.zeros((tile,), jnp.float32),
+        jnp.zeros((tile, d), jnp.float32),
     )
     state = lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
     if branch_refs:
         bk_ref, bv_ref, bseen_ref = branch_refs
-        seen = (bseen_ref[...] != 0) & (pl.program_id(3) == 0)  # once per row: the first split
-        state = fold(state, bk_ref[...], bv_ref[...], seen)
+        node_ok = jnp.arange(bk_ref.shape[0]) < nodes
+        bk, bv = (load(ref, node_ok[:, None]) for ref in (bk_ref, bv_ref))
+        seen = load(bseen_ref, row_ok[:, None] & node_ok[None]) != 0
+        seen &= pl.program_id(3) == 0  # once per row: the first split
+        state = fold(state, bk, bv, seen)
     m, l, acc = state
-    m_ref[...] = m / _LOG2E  # base 2 -> the natural units of `decode._continue`
-    l_ref[...] = l
-    acc_ref[...] = acc
+    plgpu.store(m_ref, m / _LOG2E, mask=row_ok)  # base 2 -> the natural units of `decode._continue`
+    plgpu.store(l_ref, l, mask=row_ok)
+    plgpu.store(acc_ref, acc, mask=row_ok[:, None])
 
 
 def _fold(q, scale, state, k, v, seen):
@@ -106,7 +113,6 @@ def kernel_state(
     each query sees [B,R,N], or None."""
     b, r, hkv, g, d = qg.shape
     block_k = tiling.block_k
-    qg = qg.astype(k.dtype)  # one dtype for the tensor-core dots
     s_len = k.shape[2]
     if s_len % block_k:  # `generate`'s caches are whole blocks already (`decode.cache_slots`)
         slots = blocks.round_up(s_len, block_k)
@@ -114,17 +120,15 @@ def kernel_state(
         seg, pos = (blocks.pad_rows(x, slots) for x in (seg, pos))
         s_len = slots
     n_blocks = s_len // block_k
-    # Query row i = h * R + j is head h of the group, query j; padding rows carry segment 0.
+    # Query row i = h * R + j is head h of the group, query j; a tile of them per program.
     rows = g * r
     tile = min(tiling.query_tile, max(16, pl.next_power_of_2(rows)))
-    padded = blocks.round_up(rows, tile)
     q_all = jnp.moveaxis(qg, 1, 3).reshape(b, hkv, rows, d)
-    q_all = jnp.pad(q_all, [(0, 0), (0, 0), (0, padded - rows), (0, 0)])
-    qseg_all, qpos_all = (blocks.pad_rows(jnp.tile(x, (1, g)), padded) for x in (q_seg, q_pos))
+    qseg_all, qpos_all = (jnp.tile(x, (1, g)) for x in (q_seg, q_pos))
     filled = jnp.max(jnp.where(seg != 0, jnp.arange(s_len) + 1, 0), axis=1)
     live = (-(-filled // block_k)).astype(jnp.int32)[:, None]  # the row's filled blocks
 
-    n_tiles = padded // tile
+    n_tiles = -(-rows // tile)
     # Enough programs to fill the GPU, but no more splits than blocks.
     n_split = max(1, min(n_blocks, -(-tiling.target_programs // (b * hkv * n_tiles))))
     grid = (b, hkv, n_tiles, n_split)
@@ -142,14 +146,13 @@ def kernel_state(
         tok_spec,
         tok_spec,
     ]
+    nodes = 0
     if branch is not None:
         bk, bv, seen = branch
-        n = bk.shape[2]
-        n_pad = max(16, pl.next_power_of_2(n))  # a tensor-core dot's least width
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, n_pad - n), (0, 0)]).astype(k.dtype)
-        seen = jnp.tile(seen, (1, g, 1))  # query row h * R + j sees what query j sees
-        seen = jnp.pad(seen, [(0, 0), (0, padded - rows), (0, n_pad - n)]).astype(jnp.int32)
-        inputs += [pad(bk), pad(bv), seen]
+        nodes = bk.shape[2]
+        n_pad = max(16, pl.next_power_of_2(nodes))  # a tensor-core dot's least width
+        seen = jnp.tile(seen, (1, g, 1)).astype(jnp.int32)  # row h * R + j sees what j sees
+        inputs += [bk.astype(k.dtype), bv.astype(k.dtype), seen]
         seen_spec = pl.BlockSpec((_SQ, tile, n_pad), lambda i, h, t, c: (i, t, 0))
         in_specs += [kv_spec(n_pad), kv_spec(n_pad), seen_spec]
 
@@ -159,14 +162,16 @@ def kernel_state(
         )
 
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_k=block_k, n_split=n_split),
+        functools.partial(
+            _kernel, scale=scale, block_k=block_k, n_split=n_split, rows=rows, nodes=nodes
+        ),
         grid=grid,
         in_specs=in_specs,
         out_specs=[part(), part(), part(d)],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, n_split, padded), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, n_split, padded), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, n_split, padded, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_split, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_split, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_split, rows, d), jnp.float32),
         ],
         compiler_params=None
         if plgpu is None
@@ -174,7 +179,7 @@ def kernel_state(
         interpret=interpret,
         name="jspec_decode_trunk",
     )(*inputs)
-    m, l, acc = _merge_splits(m[..., :rows], l[..., :rows], acc[..., :rows, :])
+    m, l, acc = _merge_splits(m, l, acc)
     queries_first = lambda x: jnp.moveaxis(x.reshape(b, hkv, g, r, *x.shape[3:]), 3, 1)
     return queries_first(m), queries_first(l), queries_first(acc)
 

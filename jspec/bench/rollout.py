@@ -94,7 +94,8 @@ def parse_args(argv=None):
         default=[],
         help="also time the plain step with other rollout attention: 'blocks' (the block kernels "
         "in place of impl='decode'; they transpose the heads-major cache, a copy per layer), "
-        "'xla' (the cache part in XLA, not the Pallas kernel)",
+        "'xla' (the cache part in XLA, not the Pallas kernel), 'xla-qkv' (the q/k norms, rotary "
+        "and cache writes after the q/k/v product as XLA's fusions, not `qkv_epilogue`)",
     )
     p.add_argument(
         "--prompts-per-row",
@@ -204,7 +205,11 @@ def timed_trees(args) -> dict[str, TreeConfig]:
 LOOP_LENGTHS = dict(short=2, long=34)
 
 # Other rollout attention the plain step can be timed with (`--compare`).
-COMPARED = {"blocks": KernelConfig(few_queries=0), "xla": KernelConfig(decode_backend="xla")}
+COMPARED = {
+    "blocks": KernelConfig(few_queries=0),
+    "xla": KernelConfig(decode_backend="xla"),
+    "xla-qkv": KernelConfig(qkv_kernel=False),
+}
 
 
 class LoopRate(NamedTuple):

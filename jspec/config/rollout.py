@@ -181,11 +181,14 @@ class KernelConfig:
     `decode_backend`: 'auto' the Pallas kernel on an NVIDIA GPU that can run it, the Pallas TPU
     kernel on a TPU, and XLA elsewhere; 'xla', 'pallas' (NVIDIA GPUs), 'pallas_tpu', or either
     kernel in Pallas' interpreter ('pallas_interpret', 'pallas_tpu_interpret': slow, for tests on
-    the CPU).
+    the CPU). With `qkv_kernel`, where that backend is the Pallas GPU kernel, the q/k norms,
+    rotary and cache writes after a layer's fused q/k/v product run as one kernel
+    (`jspec.models.qkv_epilogue`); otherwise as XLA's fusions.
     """
 
     few_queries: int = 64
     decode_backend: str = "auto"
+    qkv_kernel: bool = True
 
     def validate(self, where: str = "rollout.kernels") -> None:
         if self.few_queries < 0:

@@ -25,9 +25,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention
-from jspec.attention.decode import DecodeOptions
+from jspec.attention.decode import DecodeOptions, attention_backend
 from jspec.attention.zigzag import concrete
 from jspec.config import KernelConfig
+from jspec.models import layers, qkv_epilogue
 
 KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
 
@@ -139,12 +140,86 @@ class CacheWriter:
     def attend(self, i: int, q, k, v):
         c = self.cache
         k_i, v_i = write_kv(c.k[i], k, self.slot_BT), write_kv(c.v[i], v, self.slot_BT)
+        return self._attend_written(i, q, k_i, v_i)
+
+    def layer(self, i: int) -> LayerWriter:
+        """Layer i's `attend`, which also takes its fused q/k/v product as it is."""
+        return LayerWriter(self, i)
+
+    def attend_product(self, i: int, qkv, rms_input, norm, eps: float, cos_sin):
+        """`attend` from layer i's fused q/k/v product [B,T,K,G+2,E] before its scale by 1 /
+        RMS(`rms_input`) (if given), norms and rotary: on an NVIDIA GPU they and the cache writes
+        run as one kernel (`qkv_epilogue`), elsewhere as `finish_and_write`."""
+        c = self.cache
+        args = (qkv, rms_input, norm, cos_sin, self.slot_BT, c.k[i], c.v[i])
+        kernels = self.kernels or KernelConfig()
+        backend = attention_backend(kernels.decode_backend, qkv.shape[-1])
+        if kernels.qkv_kernel and backend in ("pallas", "pallas_interpret"):
+            interpret = backend == "pallas_interpret"
+            finish = functools.partial(qkv_epilogue.kernel, eps=eps, interpret=interpret)
+        else:
+            finish = functools.partial(finish_and_write, eps=eps)
+        q, k_i, v_i = self._sharded(finish, *args)
+        return self._attend_written(i, q, k_i, v_i)
+
+    def _attend_written(self, i: int, q, k_i, v_i):
+        """q against layer i's cache, its new tokens' K/V written (k_i, v_i)."""
+        c = self.cache
         put = lambda layers, x: (*layers[:i], x, *layers[i + 1 :])
         self.cache = c._replace(k=put(c.k, k_i), v=put(c.v, v_i))
         ids = dict(q_segment_ids=self.q_segment_ids, q_positions=self.q_positions)
         return rollout_attention(
             self.mesh, self.kernels, q, k_i, v_i, c.segment_ids, c.positions, **ids
         )
+
+    def _sharded(self, finish, qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache):
+        """`finish` (as `finish_and_write`) inside `shard_map` on a mesh of several devices, rows
+        and KV heads split as `rollout_attention` splits them (a Pallas kernel has no SPMD rule)."""
+        args = (qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache)
+        mesh = self.mesh
+        if (
+            mesh is None
+            or mesh.size == 1
+            or qkv.shape[0] % mesh_lib.axis_size(mesh, "decode_batch")
+        ):
+            return finish(*args)
+        rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
+        tokens = P(rows)
+        cache_spec = P(rows, kv, None, None)
+        specs = (P(rows, None, kv, None, None), tokens, P(), (tokens, tokens), tokens)
+        out_specs = (P(rows, None, heads, None), cache_spec, cache_spec)
+        return jax.shard_map(
+            finish,
+            mesh=mesh,
+            in_specs=(*specs, cache_spec, cache_spec),
+            out_specs=out_specs,
+            check_vma=False,
+        )(*args)
+
+
+class LayerWriter(NamedTuple):
+    """Layer `i` of a `CacheWriter`: called with rotated (q, k, v) as `attend`, or given the
+    layer's fused q/k/v product by `layers.attention_sublayer` (`from_product`)."""
+
+    writer: CacheWriter
+    i: int
+
+    def __call__(self, q, k, v):
+        return self.writer.attend(self.i, q, k, v)
+
+    def from_product(self, qkv, rms_input, norm, eps, cos_sin):
+        return self.writer.attend_product(self.i, qkv, rms_input, norm, eps, cos_sin)
+
+
+def finish_and_write(qkv, rms_input, norm, cos_sin, slot_BT, k_cache, v_cache, *, eps: float):
+    """q [B,T,H,E] rotated, and the caches with k (rotated) and v written at `slot_BT`, from a
+    fused q/k/v product [B,T,K,G+2,E] of `rms_input` (None: its norm not folded into it):
+    `qkv_epilogue.kernel`'s results, by the model's functions (`layers.finish_qkv`,
+    `layers.apply_rope`, `write_kv`)."""
+    scale = None if rms_input is None else layers.inverse_rms(rms_input, eps)
+    q, k, v = layers.finish_qkv(qkv, scale, norm, eps)
+    q, k = layers.apply_rope(q, cos_sin), layers.apply_rope(k, cos_sin)
+    return q.astype(k_cache.dtype), write_kv(k_cache, k, slot_BT), write_kv(v_cache, v, slot_BT)
 
 
 def cache_attention(

@@ -184,8 +184,9 @@ class OneLayerDraft(nnx.Module):
     ) -> DraftOut:
         writer = CacheWriter(cache, count, tokens.shape[1], self.mesh, kernels)
         cos_sin = layers.rope_angles(self.config.layer, writer.q_positions)
-        attend = functools.partial(writer.attend, 0)
-        out, _ = self.layer(lookup(shared.embed, tokens), self.fuse(features), cos_sin, attend)
+        out, _ = self.layer(
+            lookup(shared.embed, tokens), self.fuse(features), cos_sin, writer.layer(0)
+        )
         last = last_valid(out, count)
         logits = self.to_target_vocab(self.draft_logits(last[:, None], shared))[:, 0]
         return DraftOut(logits, last, writer.cache)

@@ -127,13 +127,21 @@ def attention_sublayer(
     output projection (`wo` [H,E,D], or [D,H,E] beside a fused `w_qkv`: `fuse_products`).
 
     Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
-    attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches.
+    attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches. An `attend` with a
+    `from_product` method (`cache.LayerWriter`) takes a fused product's output as it is, with
+    what finishes it: h, whose 1 / RMS `input_scale` is where given (`fold_input_norms`), the
+    joint norm, eps and `cos_sin`; (k, v) is then None: it writes them into its cache itself.
     """
+    out = "bthe,hed->btd" if isinstance(w_qkv, tuple) else "bthe,dhe->btd"
+    from_product = getattr(attend, "from_product", None)
+    if from_product is not None and not isinstance(w_qkv, tuple):
+        rms_input = None if input_scale is None else h_BTD
+        o_BTHE = from_product(fused_product(h_BTD, w_qkv, k_norm), rms_input, q_norm, eps, cos_sin)
+        return jnp.einsum(out, o_BTHE, wo), None
     norms = (q_norm, k_norm, eps)
     q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv, input_scale, norms)
     q_BTHE, k_BTKE = apply_rope(q_BTHE, cos_sin), apply_rope(k_BTKE, cos_sin)
     o_BTHE = attend(q_BTHE, k_BTKE, v_BTKE)
-    out = "bthe,hed->btd" if isinstance(w_qkv, tuple) else "bthe,dhe->btd"
     return jnp.einsum(out, o_BTHE, wo), (k_BTKE, v_BTKE)
 
 
@@ -141,11 +149,7 @@ def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
     """q [B,T,H,E], k and v [B,T,K,E] of h: `w_qkv` is (wq [D,H,E], wk, wv [D,K,E]), or the three
     fused [K, G+2, E, D] (`fuse_products`), query head h = KV head h // G; times `input_scale`
     [B,T,1] if given. `norms` (q_norm, k_norm, eps): with Qwen3's norms, q and k RMS-normed per
-    head. In the fused layout `fuse_products` made q_norm [G+2, E] (q's weight G times, k's, and
-    ones) and k_norm None: the product's output is normed whole, as it was written, and v taken
-    from before the norm. One kernel of a rollout step, where the two norms and the slices of the
-    product feeding them took up to four; norming v's head too costs 1 / (G+2) more of a small
-    fusion."""
+    head (in the fused layout by `finish_qkv`)."""
     q_norm, k_norm, eps = norms
     if isinstance(w_qkv, tuple):
         wq, wk, wv = w_qkv
@@ -156,11 +160,26 @@ def project_qkv(h_BTD, w_qkv, input_scale=None, norms=(None, None, None)):
         if q_norm is not None:
             q_BTHE, k_BTKE = rms_norm(q_BTHE, q_norm, eps), rms_norm(k_BTKE, k_norm, eps)
         return q_BTHE, k_BTKE, v_BTKE
+    return finish_qkv(fused_product(h_BTD, w_qkv, k_norm), input_scale, q_norm, eps)
+
+
+def fused_product(h_BTD, w_qkv_KNED, k_norm=None) -> Array:
+    """The fused q/k/v product [B,T,K,G+2,E] (`fuse_products`' layout)."""
     if k_norm is not None:
         raise ValueError("a fused w_qkv is normed by fuse_products' joint q_norm (k_norm None)")
-    qkv = scaled(jnp.einsum("btd,kned->btkne", h_BTD, w_qkv), input_scale)
+    return jnp.einsum("btd,kned->btkne", h_BTD, w_qkv_KNED)
+
+
+def finish_qkv(qkv_BTKNE, input_scale, norm, eps):
+    """q [B,T,H,E], k and v [B,T,K,E] of a fused product's output [B,T,K,G+2,E], times
+    `input_scale` [B,T,1] if given. With Qwen3's norms, `fuse_products` made `norm` [G+2, E] (q's
+    weight G times, k's, and ones): the output is normed whole, as it was written, and v taken
+    from before the norm. One kernel of a rollout step, where the two norms and the slices of the
+    product feeding them took up to four; norming v's head too costs 1 / (G+2) more of a small
+    fusion."""
+    qkv = scaled(qkv_BTKNE, input_scale)
     b, t, k, n, e = qkv.shape
-    normed = qkv if q_norm is None else rms_norm(qkv, q_norm, eps)
+    normed = qkv if norm is None else rms_norm(qkv, norm, eps)
     q_BTHE = normed[:, :, :, : n - 2].reshape(b, t, k * (n - 2), e)
     return q_BTHE, normed[:, :, :, -2], qkv[:, :, :, -1]
 

@@ -432,8 +432,9 @@ class Transformer(nnx.Module):
             return cache_attention(cache, i, branch, self.mesh, kernels)
 
         x_BND = self._embed(tokens, ROLLOUT_ACT)
+        layer_attend = lambda i: functools.partial(attend, i)
         x_BND, taps_, (k, v) = self._unrolled(
-            x_BND, rope_angles(self.config, positions), attend, features == "taps"
+            x_BND, rope_angles(self.config, positions), layer_attend, features == "taps"
         )
         normed_BND = self._final(x_BND)
         logits = self._head(normed_BND, ROLLOUT_ACT)
@@ -460,7 +461,7 @@ class Transformer(nnx.Module):
         writer = CacheWriter(cache, lengths, tokens.shape[1], self.mesh, kernels)
         x_BTD = self._embed(tokens, ROLLOUT_ACT)
         cos_sin = rope_angles(self.config, writer.q_positions)
-        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.attend, features == "taps")
+        x_BTD, taps_, _ = self._unrolled(x_BTD, cos_sin, writer.layer, features == "taps")
         normed_BTD = self._final(x_BTD)
         return normed_BTD, writer.cache, self._features(features, taps_, normed_BTD)
 
@@ -543,20 +544,21 @@ class Transformer(nnx.Module):
             layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state)))
         return layers
 
-    def _unrolled(self, x_BTD, cos_sin, attend, taps: bool):
-        """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V.
+    def _unrolled(self, x_BTD, cos_sin, layer_attend, taps: bool):
+        """All layers by a Python loop (decode-speed weight streaming); collects every layer's K/V
+        (None where `attend` wrote them into a cache itself: `CacheWriter.layer`).
 
-        `attend(i, q, k, v)` gets the layer index, to read layer i of a cache.
+        `layer_attend(i)` is layer i's `attend`, to read layer i of a cache.
         """
-        entering, ks, vs = {}, [], []
+        entering, kvs = {}, []
         layers = self._layers() if self.unstacked is None else self.unstacked
         for i, layer in enumerate(layers):
             x_BTD = entering[i] = self._constrain(x_BTD, (*ROLLOUT_ACT, "act_embed"))
-            x_BTD, (k, v), _ = layer(x_BTD, cos_sin, functools.partial(attend, i), ROLLOUT_ACT)
-            ks.append(k)
-            vs.append(v)
+            x_BTD, kv, _ = layer(x_BTD, cos_sin, layer_attend(i), ROLLOUT_ACT)
+            kvs.append(kv)
         tapped = [entering[t] for t in self.config.taps] if taps else []
-        return x_BTD, tapped, (jnp.stack(ks), jnp.stack(vs))
+        stacked = None if None in kvs else tuple(map(jnp.stack, zip(*kvs, strict=True)))
+        return x_BTD, tapped, stacked
 
 
 # ---------------------------------------------------------------------------------------------

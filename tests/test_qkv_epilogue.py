@@ -19,7 +19,7 @@ MODES = [True] + [False] * (jax.default_backend() == "gpu")  # interpret, and co
 
 def inputs(dtype, seed=0, normed=True, folded=True):
     """A product [B,T,K,G+2,E], its input, a joint norm, rotary angles, caches and slots: row 0
-    writes slots 2..4, row 1 slots 6, 7 and one past the end (dropped)."""
+    writes slots 2..4, row 1 slot 6 and two past the end (dropped, as `KVCache.slots` gives)."""
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     normal = lambda shape, dt=jnp.float32: jax.random.normal(next(keys), shape, dt)
     e = E if jax.default_backend() != "gpu" else 128
@@ -31,7 +31,7 @@ def inputs(dtype, seed=0, normed=True, folded=True):
         rms_input=normal((B, T, D), dtype) * 3 if folded else None,
         norm=(1 + 0.3 * normal((G + 2, e))).astype(dtype) if normed else None,
         cos_sin=cos_sin,
-        slot_BT=jnp.array([[2, 3, 4], [6, 7, S]], jnp.int32),
+        slot=jnp.array([[2, 3, 4], [6, S, S + 1]], jnp.int32),
         k_cache=normal((B, K, S, e), dtype),
         v_cache=normal((B, K, S, e), dtype),
     )
@@ -40,7 +40,13 @@ def inputs(dtype, seed=0, normed=True, folded=True):
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
     "dtype, normed, folded",
-    [("float32", True, True), ("float32", False, False), ("bfloat16", True, True)],
+    [
+        ("float32", True, True),
+        ("float32", False, True),
+        ("float32", False, False),
+        ("bfloat16", True, True),
+        ("bfloat16", False, False),
+    ],
 )
 def test_the_kernel_finishes_and_writes_as_the_model(interpret, dtype, normed, folded):
     """q rotated in the queries' layout, k rotated and v written at their slots (the slot past
@@ -48,15 +54,14 @@ def test_the_kernel_finishes_and_writes_as_the_model(interpret, dtype, normed, f
     folded input norm) and normed: float32 to 1e-5, bfloat16 to its rounding (the kernel rounds
     once, the model after each step)."""
     args = inputs(jnp.dtype(dtype), normed=normed, folded=folded)
-    slot = args.pop("slot_BT")
-    want = finish_and_write(**args, slot_BT=slot, eps=1e-6)
-    got = qkv_epilogue.kernel(**args, slot=slot, eps=1e-6, interpret=interpret)
+    want = finish_and_write(**args, eps=1e-6)
+    got = qkv_epilogue.kernel(**args, eps=1e-6, interpret=interpret)
     rtol = 1e-5 if dtype == "float32" else 2e-2
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         close(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol)
     untouched = np.ones((B, S), bool)
-    untouched[0, 2:5] = untouched[1, 6:8] = False
+    untouched[0, 2:5] = untouched[1, 6] = False
     for g, old in zip(got[1:], (args["k_cache"], args["v_cache"]), strict=True):
         np.testing.assert_array_equal(
             np.asarray(g)[untouched.nonzero()[0], :, untouched.nonzero()[1]],

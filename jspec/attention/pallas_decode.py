@@ -36,7 +36,7 @@ class Tiling:
     """How the kernel cuts its work (`jspec/bench/decode_kernel.py` times the choices)."""
 
     block_k: int = 64  # cache slots per step of a program's loop
-    query_tile: int = 64  # query rows (G heads x R queries, padded) per program
+    query_tile: int = 64  # query rows (G heads x R queries; masked past the end) per program
     target_programs: int = 264  # split the slots until about this many programs are in flight
     num_warps: int = 4
     num_stages: int = 2

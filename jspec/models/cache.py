@@ -119,7 +119,10 @@ class CacheWriter:
     """Attention of T new tokens per row that continue the cache's documents: each layer writes the
     tokens' K/V into its cache (in place) and the tokens attend to it, on `kernels`.
 
-    `attend(i, q, k, v)` is the attention of layer i; `cache` is the cache as written so far.
+    `attend(i, q, k, v)` is the attention of layer i given its rotated q, k, v; `layer(i)` is
+    the same as one layer's `attend`, which also takes the layer's fused q/k/v product as it is
+    (`attend_product`: norms, rotary and cache writes in one kernel on a GPU); `cache` is the cache
+    as written so far.
     """
 
     def __init__(
@@ -146,15 +149,22 @@ class CacheWriter:
         """Layer i's `attend`, which also takes its fused q/k/v product as it is."""
         return LayerWriter(self, i)
 
-    def attend_product(self, i: int, qkv, rms_input, norm, eps: float, cos_sin):
+    def attend_product(self, i: int, qkv, rms_input, norm, cos_sin, *, eps: float):
         """`attend` from layer i's fused q/k/v product [B,T,K,G+2,E] before its scale by 1 /
-        RMS(`rms_input`) (if given), norms and rotary: on an NVIDIA GPU they and the cache writes
-        run as one kernel (`qkv_epilogue`), elsewhere as `finish_and_write`."""
+        RMS(`rms_input`) (if given), norms and rotary: for a few queries a row on an NVIDIA GPU
+        they and the cache writes run as one kernel (`qkv_epilogue`), elsewhere as
+        `finish_and_write` (a prefill's queries go on to the block kernels, which would transpose
+        the kernel's query layout back)."""
         c = self.cache
         args = (qkv, rms_input, norm, cos_sin, self.slot_BT, c.k[i], c.v[i])
         kernels = self.kernels or KernelConfig()
         backend = attention_backend(kernels.decode_backend, qkv.shape[-1])
-        if kernels.qkv_kernel and backend in ("pallas", "pallas_interpret"):
+        if (
+            kernels.qkv_kernel
+            and backend in ("pallas", "pallas_interpret")
+            and qkv.shape[1] <= kernels.few_queries
+            and qkv_epilogue.supports(rms_input)
+        ):
             interpret = backend == "pallas_interpret"
             finish = functools.partial(qkv_epilogue.kernel, eps=eps, interpret=interpret)
         else:
@@ -174,27 +184,31 @@ class CacheWriter:
 
     def _sharded(self, finish, qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache):
         """`finish` (as `finish_and_write`) inside `shard_map` on a mesh of several devices, rows
-        and KV heads split as `rollout_attention` splits them (a Pallas kernel has no SPMD rule)."""
+        and KV heads split as `rollout_attention` splits them."""
         args = (qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache)
-        mesh = self.mesh
-        if (
-            mesh is None
-            or mesh.size == 1
-            or qkv.shape[0] % mesh_lib.axis_size(mesh, "decode_batch")
-        ):
+        axes = _row_head_axes(self.mesh, qkv.shape[0])
+        if axes is None:
             return finish(*args)
-        rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
-        tokens = P(rows)
-        cache_spec = P(rows, kv, None, None)
+        rows, heads, kv = axes
+        tokens, cache_spec = P(rows), P(rows, kv, None, None)
         specs = (P(rows, None, kv, None, None), tokens, P(), (tokens, tokens), tokens)
-        out_specs = (P(rows, None, heads, None), cache_spec, cache_spec)
         return jax.shard_map(
             finish,
-            mesh=mesh,
+            mesh=self.mesh,
             in_specs=(*specs, cache_spec, cache_spec),
-            out_specs=out_specs,
+            out_specs=(P(rows, None, heads, None), cache_spec, cache_spec),
             check_vma=False,
         )(*args)
+
+
+def _row_head_axes(mesh: Mesh | None, rows: int) -> tuple | None:
+    """The mesh axes of rows, query heads and KV heads (`jspec.mesh.RULES`) that a rollout's
+    Pallas kernels run split over inside `shard_map` (they have no SPMD partitioning rule, so XLA
+    would gather their inputs to every device); None where nothing splits: one device, or rows
+    that do not divide their axis."""
+    if mesh is None or mesh.size == 1 or rows % mesh_lib.axis_size(mesh, "decode_batch"):
+        return None
+    return tuple(mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
 
 
 class LayerWriter(NamedTuple):
@@ -207,19 +221,19 @@ class LayerWriter(NamedTuple):
     def __call__(self, q, k, v):
         return self.writer.attend(self.i, q, k, v)
 
-    def from_product(self, qkv, rms_input, norm, eps, cos_sin):
-        return self.writer.attend_product(self.i, qkv, rms_input, norm, eps, cos_sin)
+    def from_product(self, qkv, rms_input, norm, cos_sin, *, eps):
+        return self.writer.attend_product(self.i, qkv, rms_input, norm, cos_sin, eps=eps)
 
 
-def finish_and_write(qkv, rms_input, norm, cos_sin, slot_BT, k_cache, v_cache, *, eps: float):
-    """q [B,T,H,E] rotated, and the caches with k (rotated) and v written at `slot_BT`, from a
+def finish_and_write(qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache, *, eps: float):
+    """q [B,T,H,E] rotated, and the caches with k (rotated) and v written at `slot` [B,T], from a
     fused q/k/v product [B,T,K,G+2,E] of `rms_input` (None: its norm not folded into it):
     `qkv_epilogue.kernel`'s results, by the model's functions (`layers.finish_qkv`,
     `layers.apply_rope`, `write_kv`)."""
     scale = None if rms_input is None else layers.inverse_rms(rms_input, eps)
     q, k, v = layers.finish_qkv(qkv, scale, norm, eps)
     q, k = layers.apply_rope(q, cos_sin), layers.apply_rope(k, cos_sin)
-    return q.astype(k_cache.dtype), write_kv(k_cache, k, slot_BT), write_kv(v_cache, v, slot_BT)
+    return q.astype(k_cache.dtype), write_kv(k_cache, k, slot), write_kv(v_cache, v, slot)
 
 
 def cache_attention(
@@ -241,8 +255,8 @@ def rollout_attention(
     cache [B,Hkv,S,E], on `kernels` (None: `KernelConfig()`): up to `kernels.few_queries` queries
     per row the few-query path (`impl="decode"`, its cache part on `kernels.decode_backend`), the
     block kernels beyond. On a mesh of several devices it runs inside `shard_map`, rows and heads
-    split as `jspec.mesh.RULES` places them (every row and KV head is independent): a Pallas
-    kernel has no SPMD partitioning rule, so XLA would gather its inputs to every device."""
+    split as `jspec.mesh.RULES` places them (every row and KV head is independent:
+    `_row_head_axes`)."""
     kernels = kernels or KernelConfig()
     queries = (q if q is not None else kw["branch"].q).shape[1]
     impl = "decode" if queries <= kernels.few_queries else "auto"
@@ -250,9 +264,10 @@ def rollout_attention(
     call = lambda q, k, v, seg, pos, kw: attention(
         q, k, v, seg, pos, impl=impl, heads_major=True, decode_options=options, **kw
     )
-    if mesh is None or mesh.size == 1 or k.shape[0] % mesh_lib.axis_size(mesh, "decode_batch"):
-        return call(q, k, v, segment_ids, positions, kw)  # (rows that do not split: unsharded)
-    rows, heads, kv = (mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
+    axes = _row_head_axes(mesh, k.shape[0])
+    if axes is None:
+        return call(q, k, v, segment_ids, positions, kw)
+    rows, heads, kv = axes
     ids, q_spec, cache_spec = P(rows, None), P(rows, None, heads, None), P(rows, kv, None, None)
     kw_specs = {name: ids for name in kw if name != "branch"}
     if "branch" in kw:

@@ -319,7 +319,7 @@ class Eagle3Draft(OneLayerDraft):
 
     def layer(self, emb_BTD, hidden_BTD, cos_sin, attend):
         """The decoder layer: returns the output hidden state (the next step's feature) and the
-        rotated (k, v) [B,T,K,E]."""
+        rotated (k, v) [B,T,K,E] (None where `attend` wrote them: `CacheWriter.layer`)."""
         c = self.config.layer
         w = lambda p: p[...].astype(self._dtype)
         fused = self.w_qkv is not None

@@ -91,7 +91,7 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     first: wq, wk, wv replaced by w_qkv [K, G+2, E, D] (each KV head's G query heads, then its k
     and v; `project_qkv` reads it), wo as [D, H, E]; with `mlp`, w_gate and w_up by w_gate_up
     [2, F, D] and w_down as [D, F] (`swiglu` reads them); Qwen3's q_norm and k_norm by one
-    q_norm [G+2, E] and k_norm None (`project_qkv` says why). Two products instead of five, and
+    q_norm [G+2, E] and k_norm None (`finish_qkv` says why). Two products instead of five, and
     for a matrix-vector product (a decode step at batch 1) one kernel that reduces each output's
     contiguous row: with its inputs first, XLA's GPU compiler writes a small weight times its
     input to memory before reducing it, a second weight's worth of traffic. `constrain(x,
@@ -104,7 +104,7 @@ def fuse_products(layer, constrain, *, mlp: bool = True, input_axis: str | None 
     qkv_KNED = jnp.transpose(qkv, (1, 2, 3, 0))
     layer.w_qkv = nnx.Param(constrain(qkv_KNED, ("kv_heads", None, "head_dim", input_axis)))
     layer.wq = layer.wk = layer.wv = None
-    if getattr(layer, "k_norm", None) is not None:  # Qwen3's q and k norms as one (`project_qkv`)
+    if getattr(layer, "k_norm", None) is not None:  # Qwen3's q and k norms as one (`finish_qkv`)
         q_norm, k_norm = layer.q_norm[...], layer.k_norm[...]
         rows = [jnp.broadcast_to(q_norm, (h // k, e)), k_norm[None], jnp.ones((1, e), k_norm.dtype)]
         qkv_norm = constrain(jnp.concatenate(rows), (None, "norm"))
@@ -123,20 +123,22 @@ def attention_sublayer(
     h_BTD, w_qkv, wo, cos_sin, attend, *, q_norm=None, k_norm=None, eps, input_scale=None
 ):
     """Projections (`w_qkv`: see `project_qkv`) times `input_scale` [B,T,1] if given (an input
-    norm folded into them: `fold_input_norms`), optional q/k RMSNorm (Qwen3), rotary, `attend`,
+    norm folded into them: `fold_input_norms`; it is then `inverse_rms(h, eps)`, with the eps of
+    the q/k norms, the model's one), optional q/k RMSNorm (Qwen3), rotary, `attend`,
     output projection (`wo` [H,E,D], or [D,H,E] beside a fused `w_qkv`: `fuse_products`).
 
     Shared by the decoder layer and the EAGLE-3 draft layer (whose input is 2H wide). Returns the
     attention output [B,T,D] and the rotated (k, v) [B,T,K,E] for caches. An `attend` with a
     `from_product` method (`cache.LayerWriter`) takes a fused product's output as it is, with
-    what finishes it: h, whose 1 / RMS `input_scale` is where given (`fold_input_norms`), the
-    joint norm, eps and `cos_sin`; (k, v) is then None: it writes them into its cache itself.
+    what finishes it: h where `input_scale` is given (the kernel takes its RMS itself), the
+    joint norm, `cos_sin` and eps; (k, v) is then None: it writes them into its cache itself.
     """
     out = "bthe,hed->btd" if isinstance(w_qkv, tuple) else "bthe,dhe->btd"
     from_product = getattr(attend, "from_product", None)
     if from_product is not None and not isinstance(w_qkv, tuple):
-        rms_input = None if input_scale is None else h_BTD
-        o_BTHE = from_product(fused_product(h_BTD, w_qkv, k_norm), rms_input, q_norm, eps, cos_sin)
+        rms_input = None if input_scale is None else h_BTD  # input_scale = inverse_rms(h, eps)
+        qkv = fused_product(h_BTD, w_qkv, k_norm)
+        o_BTHE = from_product(qkv, rms_input, q_norm, cos_sin, eps=eps)
         return jnp.einsum(out, o_BTHE, wo), None
     norms = (q_norm, k_norm, eps)
     q_BTHE, k_BTKE, v_BTKE = project_qkv(h_BTD, w_qkv, input_scale, norms)

@@ -91,7 +91,8 @@ class MTPDraft(TargetVocabulary, OneLayerDraft):
 
     def layer(self, emb_BTD, hidden_BTD, cos_sin, attend):
         """The module: returns its normalised output (the next depth's feature) and the rotated
-        (k, v) [B,T,K,E] of its decoder layer."""
+        (k, v) [B,T,K,E] of its decoder layer (None where `attend` wrote them:
+        `CacheWriter.layer`)."""
         eps = self.config.layer.rms_norm_eps
         w = lambda p: p[...].astype(self._dtype)
         x_BT2D = jnp.concatenate(

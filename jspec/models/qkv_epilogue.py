@@ -1,15 +1,15 @@
 """What a rollout step does between a layer's fused q/k/v product and its attention, in one kernel.
 
-After the product (`layers.project_qkv`'s fused layout [B,T,K,G+2,E]) a decode step scales it by
-the folded input norm, norms q and k (Qwen3), rotates them, and writes k and v into the cache. In
-XLA that is four kernels a layer (the norm, q's rotary, a scatter for k with its rotary, one for
-v), each a launch of a microsecond or two around very little work: at batch 1 a step of a small
-model is bound by its launches, not by its bytes. Here one Pallas kernel (Triton lowering) does
-it all, one program per (row, token, head of q, k or v): it takes the RMS of the product's input
-itself (the folded input norm's scale, a reduction and an rsqrt kernel in XLA), sends the query
-heads out rotated in the layout the decode kernel reads (`pallas_decode`: a KV head's G heads,
-then the tokens), and writes k and v into the cache's slots in place (`input_output_aliases`),
-slots past its end dropped.
+After the product (`layers.fused_product`'s layout [B,T,K,G+2,E]) a decode step scales it by the
+folded input norm, norms q and k (Qwen3), rotates them, and writes k and v into the cache. In XLA
+that is five kernels a layer (the input norm's RMS, the q/k norm, q's rotary, a scatter for k with
+its rotary, one for v), each a launch of a microsecond or two around very little work: at batch 1 a
+step of a small model is bound by its launches, not by its bytes. Here one Pallas kernel (Triton
+lowering) does it all, one program per (row, token, head of q, k or v): it takes the RMS of the
+product's input itself (the folded input norm's scale, a reduction and an rsqrt kernel in XLA),
+sends the query heads out rotated in the layout the decode kernel reads (`pallas_decode`: a KV
+head's G heads, then the tokens), and writes k and v into the cache's slots in place
+(`input_output_aliases`), slots past its end dropped.
 
 `cache.finish_and_write` is the same in XLA (the model's own functions): the path off NVIDIA
 GPUs, and what the kernel is tested against.
@@ -29,17 +29,23 @@ from jspec.attention.pallas_gpu import _SQ, plgpu
 Cache = Float[Array, "b k s e"]
 
 
+def supports(rms_input) -> bool:
+    """Whether the kernel takes a product's input of this width (None: no input norm folded): its
+    sum of squares runs over power-of-two chunks of at least 128 that divide it."""
+    return rms_input is None or rms_input.shape[-1] % 128 == 0
+
+
 def _kernel(qkv_ref, x_ref, norm_ref, cos_ref, sin_ref, slot_ref, k_in, v_in, *refs, eps):
     del k_in, v_in  # the same buffers as the outputs k_ref, v_ref
     q_ref, k_ref, v_ref = refs
-    n, group = pl.program_id(3), pl.num_programs(3) - 2  # head n of G query heads, k, v
+    head, group = pl.program_id(3), pl.num_programs(3) - 2  # of G query heads, then k and v
     e = qkv_ref.shape[0]
     half = pl.ds(0, e // 2), pl.ds(e // 2, e // 2)
     f32 = lambda x: x.astype(jnp.float32)
     scale = 1.0
     if x_ref is not None:  # 1 / RMS(x): the input norm folded into the product
         d = x_ref.shape[0]
-        chunk = min(d & -d, 1024)  # a power of two that divides d
+        chunk = min(d & -d, 1024)  # a power of two that divides d (at least 128: `supports`)
         squares = sum(jnp.sum(f32(x_ref[pl.ds(i, chunk)]) ** 2) for i in range(0, d, chunk))
         scale = jax.lax.rsqrt(squares / d + eps)
     # Every load first, so that their latencies overlap (no load waits on a branch).
@@ -53,11 +59,11 @@ def _kernel(qkv_ref, x_ref, norm_ref, cos_ref, sin_ref, slot_ref, k_in, v_in, *r
         for x, h in zip(pair, half, strict=True):
             plgpu.store(ref.at[(*at, h)], x.astype(ref.dtype), mask=jnp.full(x.shape, when))
 
-    @pl.when(n == group + 1)
+    @pl.when(head == group + 1)
     def _():
         store((lo, hi), v_ref, (slot,), in_cache)
 
-    @pl.when(n <= group)
+    @pl.when(head <= group)
     def _():
         r = 1.0
         if norm_ref is not None:
@@ -65,11 +71,11 @@ def _kernel(qkv_ref, x_ref, norm_ref, cos_ref, sin_ref, slot_ref, k_in, v_in, *r
         x_lo, x_hi = lo * r * w[0], hi * r * w[1]
         rotated = (x_lo * cos[0] + x_hi * sin[0], x_hi * cos[1] + x_lo * sin[1])
 
-        @pl.when(n < group)
+        @pl.when(head < group)
         def _():
             store(rotated, q_ref)
 
-        @pl.when(n == group)
+        @pl.when(head == group)
         def _():
             store(rotated, k_ref, (slot,), in_cache)
 
@@ -89,7 +95,9 @@ def kernel(
 ):
     """`cache.finish_and_write`'s results by one Pallas kernel: q [B,T,H,E] (a transpose of the
     kernel's [B,K,G,T,E], which the decode kernel's layout undoes), the caches written in place.
-    `rms_input`: the product's input, whose 1 / RMS scales it (None: no scale)."""
+    `rms_input`: the product's input, whose 1 / RMS scales it (None: no scale; `supports` says
+    which widths). The slots of a row are distinct (`KVCache.slots`, past the end too): no two
+    programs write one cache row."""
     b, t, k, n, e = qkv.shape
     g, s = n - 2, k_cache.shape[2]
     cos, sin = (x[:, :, 0].astype(jnp.float32) for x in cos_sin)

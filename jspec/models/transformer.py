@@ -159,8 +159,9 @@ class Block(nnx.Module):
         `act` names the activations' (batch, seq) axes and `valid_BT` marks non-padding tokens,
         for the mixture of experts (its token exchange and router statistics).
 
-        Returns the new residual stream, this layer's (k, v) [B,T,K,E], rotated, for caches, and
-        the router's `RouterStats` (None for a dense MLP).
+        Returns the new residual stream, this layer's (k, v) [B,T,K,E], rotated, for caches (None
+        where `attend` wrote them into its cache: `CacheWriter.layer`), and the router's
+        `RouterStats` (None for a dense MLP).
         """
         c = self.config
         w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))

@@ -38,6 +38,7 @@ def inputs(dtype, seed=0, normed=True, folded=True):
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("head_programs", [False, True])
 @pytest.mark.parametrize(
     "dtype, normed, folded",
     [
@@ -48,14 +49,16 @@ def inputs(dtype, seed=0, normed=True, folded=True):
         ("bfloat16", False, False),
     ],
 )
-def test_the_kernel_finishes_and_writes_as_the_model(interpret, dtype, normed, folded):
+def test_the_kernel_finishes_and_writes_as_the_model(
+    interpret, head_programs, dtype, normed, folded
+):
     """q rotated in the queries' layout, k rotated and v written at their slots (the slot past
     the end dropped, every other slot untouched), the product scaled by 1 / RMS of its input (the
     folded input norm) and normed: float32 to 1e-5, bfloat16 to its rounding (the kernel rounds
-    once, the model after each step)."""
+    once, the model after each step); with a program a row or a KV head."""
     args = inputs(jnp.dtype(dtype), normed=normed, folded=folded)
     want = finish_and_write(**args, eps=1e-6)
-    got = qkv_epilogue.kernel(**args, eps=1e-6, interpret=interpret)
+    got = qkv_epilogue.kernel(**args, eps=1e-6, interpret=interpret, head_programs=head_programs)
     rtol = 1e-5 if dtype == "float32" else 2e-2
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape

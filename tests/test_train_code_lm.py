@@ -19,7 +19,7 @@ from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.bench import rollout as bench_rollout
 from jspec.config import ConfigError, DraftConfig
-from jspec.jobs import code_corpus, train_code_lm, trainer
+from jspec.jobs import code_corpus, plan_devices, train_code_lm, trainer
 from jspec.models import draft_factory, hf, hf_eagle3, hf_mtp
 from jspec.models.block import BlockDraft
 from jspec.models.mtp import MTPConfig, create_mtp
@@ -38,6 +38,23 @@ def bench_args(run):
 
 class Died(Exception):
     pass
+
+
+def test_a_step_beyond_the_gpus_memory_is_refused_before_it_runs(tmp_path, monkeypatch):
+    """The target's step, compiled, is held against the device's memory (here a limit of 1 KB
+    where a GPU's would be read): refused with the peak, the limit and the fixes, before a step
+    or checkpoint is written."""
+    check = plan_devices.check_fits
+    monkeypatch.setattr(plan_devices, "check_fits", lambda *a: check(*a, limit=1000))
+    with pytest.raises(
+        ConfigError,
+        match=r"target stage's train step needs .* GB a device.*"
+        r"model\.remat=full.*--batch",
+    ):
+        train_code_lm.main([*ARGS, "--run-dir", str(tmp_path)])
+    assert not (tmp_path / "training/target/metrics.jsonl").exists()
+    assert not list((tmp_path / "training/target").glob("checkpoints/*"))
+    check(10**9, "a step", "a fix", limit=10**9)  # at the limit: it fits
 
 
 def test_a_run_that_stops_or_dies_mid_stage_resumes_where_it_stopped(tmp_path, monkeypatch):

@@ -195,6 +195,23 @@ def device_memory(
     return CHIP_GB[kind] * chip_count(devices) / len(devices)
 
 
+def check_fits(peak: int, what: str, fixes: str, limit: int | None = None) -> None:
+    """Refuses `what`, a program whose peak is `peak` bytes a device (`plan.Figures.peak`), where
+    it passes `limit` (None: what jax may allocate of this machine's GPU; nothing is checked off
+    GPUs), naming `fixes`: a run stops before its first step, not on an allocation in it."""
+    if limit is None:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if is_gpu(device) else None
+        if not stats:
+            return
+        limit = stats["bytes_limit"]
+    if peak > limit:
+        raise ConfigError(
+            f"{what} needs {peak / GB:.1f} GB a device, more than the {limit / GB:.1f} GB jax "
+            f"may allocate: {fixes}."
+        )
+
+
 def count_mismatch(sizes: dict, devices) -> str:
     """Why the mesh does not fit the devices, and what to change."""
     need, have = math.prod(sizes.values()), len(devices)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -66,8 +67,9 @@ from jspec import config as config_lib
 from jspec import mesh as mesh_lib
 from jspec import tokenizers
 from jspec.config import ConfigError, MeshConfig
-from jspec.jobs import cli, trainer
+from jspec.jobs import cli, plan_devices, trainer
 from jspec.jobs.code_corpus import EOS, Corpus, read_corpus, sampler
+from jspec.jobs.plan import Figures
 from jspec.models import create, hf, hf_block, hf_eagle3, hf_mtp
 from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
@@ -218,7 +220,9 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
         group = Group(stage.learning_rate, 1.0, weight_decay=0.1, warmup_steps=WARMUP_STEPS)
     opt = adamw({name: group})
 
-    @jax.jit  # the teacher's weights are an argument: as constants they would be compiled in
+    # The teacher's weights are an argument (as constants they would be compiled in); the
+    # parameters and optimizer state are donated: their new values take their memory.
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, teacher_state, batch):
         teacher = nnx.merge(teacher_def, teacher_state)
         f = lambda p: stage.loss(nnx.merge(graphdef, p[name], rest), teacher, batch)
@@ -238,7 +242,10 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
         if stage.minutes is not None and trainer.agreed(spent >= 60 * stage.minutes):
             print(f"{name}: {stage.minutes:g} minutes of training after {i} steps", flush=True)
             break
-        params, opt_state, loss, metric = step(params, opt_state, teacher_state, batches(i))
+        args = (params, opt_state, teacher_state, batches(i))
+        if i == done:
+            step = compiled_to_fit(step, args, name)
+        params, opt_state, loss, metric = step(*args)
         if stage.minutes is not None:  # the budget counts device time: wait for each step
             jax.block_until_ready(loss)
         shown = i % every == 0 or i == stage.steps - 1
@@ -260,6 +267,19 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
         loop.step_done(i + 1, state, metrics, flush=shown)
     loop.flush()  # every step's metrics written before the stage is saved whole
     return nnx.merge(graphdef, params[name], rest)
+
+
+def compiled_to_fit(step, args, name: str):
+    """`step` compiled for `args`, refused before it runs where it would not fit this GPU."""
+    compiled = step.lower(*args).compile()
+    plan_devices.check_fits(
+        Figures.of(compiled).peak,
+        f"the {name} stage's train step",
+        "pass model.remat=full (a layer saves its input, not its products' outputs), a smaller "
+        "--batch with more --steps, or give jax more of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, "
+        f"{plan_devices.JAX_MEMORY_FRACTION} by default)",
+    )
+    return compiled
 
 
 def spent_seconds(loop: trainer.TrainLoop, done: int) -> float:

@@ -165,7 +165,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 # chain's first two nodes, as leaves (a second chance where a miss is likeliest, for no more draft
 # forwards); "+ 4 siblings": its second and third beside the first, its second beside the second
 # and third. "sampled dynamic 8": a sampled chain of 5 and 3 siblings where the draft is least
-# sure, the 8 nodes SGLang's EAGLE-2 default verifies.
+# sure, the 8 nodes SGLang's EAGLE-2 default verifies; "sampled dynamic 16": a chain of 6 and 10
+# siblings, for small batches, where a verify of 16 nodes costs little more than one of 1.
 CHAIN_4_2 = (-1, -1, 0, 0, 2, 4)
 TREES = {  # the trees `--trees` may name
     "chain 4": TreeConfig(kind="chain", depth=4, sampled=False),
@@ -185,6 +186,7 @@ TREES = {  # the trees `--trees` may name
     ),
     "dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16, sampled=False),
     "sampled dynamic 8": TreeConfig(kind="dynamic", depth=5, top_k=4, total_tokens=8),
+    "sampled dynamic 16": TreeConfig(kind="dynamic", depth=6, top_k=4, total_tokens=16),
 }
 # The trees timed by default, by whether the temperature is above 0: RL samples at 1, where
 # argmax trees are accepted far less than trees drawn from the draft.

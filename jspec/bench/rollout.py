@@ -12,9 +12,9 @@ token) / their difference in loop steps, which removes the prefills. The cost cu
 target's verify of a chain of N nodes against the same cache (as `generate` runs it: written into
 the cache, read there, forgotten) in a jitted loop, reported in plain decode steps (a verify of N =
 1 is the target's part of one). The memory floor of a decode step is (weights + KV cache read) /
-the copy bandwidth (`--bandwidth`, 4.1 TB/s on an H200). A speculative step (an EAGLE-3 draft
-proposing each of `--trees`, verify, cache updates) is timed the same way and reported in decode
-steps: the accepted length at which it breaks even.
+the copy rate (`--bandwidth`, by default measured on the device: 4.1 TB/s on an H200, 3.0 on an
+H100). A speculative step (an EAGLE-3 draft proposing each of `--trees`, verify, cache updates) is
+timed the same way and reported in decode steps: the accepted length at which it breaks even.
 Weights are random (speed only, not acceptance) unless `--trained RUN_DIR` names the target and
 draft written by `jspec.jobs.train_code_lm`: then prompts are held-out source files, and each
 speculative step comes with its accepted length, the measured speedup over plain decoding (tokens/s
@@ -53,7 +53,7 @@ from jspec.attention.decode import cache_slots
 from jspec.bench import trained_run
 from jspec.bench.greedy_check import check_greedy
 from jspec.bench.kernel_profile import loop_kernels
-from jspec.bench.timing import best_time, log, loop_seconds
+from jspec.bench.timing import best_time, copy_bandwidth, log, loop_seconds
 from jspec.config import KernelConfig, RolloutConfig, TreeConfig
 from jspec.jobs import cli
 from jspec.models import create
@@ -119,7 +119,7 @@ def parse_args(argv=None):
         "of the host's compiler threads is the limit)",
     )
     p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
-    p.add_argument("--bandwidth", type=float, default=4.1e12, help="copy bytes/s of the device")
+    p.add_argument("--bandwidth", type=float, help="copy bytes/s of the device (default: measured)")
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -499,8 +499,11 @@ def main(argv=None):
         trees = {name: TREES[name] for name in args.trees}  # `--no-spec` or not
         check_greedy(*models(args, dtype="float32"), trees, args)
     model, draft, prompt_rows = models(args)
+    if args.bandwidth is None:  # (written into the JSON with the other arguments)
+        args.bandwidth = copy_bandwidth(2048 if args.device == "gpu" else 64)
     quoted = provenance(args)
-    log(f"models ready; every speedup below is at {json.dumps(quoted)}")
+    rate = f"copy rate {args.bandwidth / 1e12:.2f} TB/s"
+    log(f"models ready; {rate}; every speedup below is at {json.dumps(quoted)}")
     weight_bytes = decode_weight_bytes(model)
     rows = []
     for b in args.batches:

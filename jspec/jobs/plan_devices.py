@@ -198,13 +198,13 @@ def device_memory(
 def check_fits(peak: int, what: str, fixes: str, limit: int | None = None) -> None:
     """Refuses `what`, a program whose peak is `peak` bytes a device (`plan.Figures.peak`), where
     it passes `limit` (None: what jax may allocate of this machine's GPU; nothing is checked off
-    GPUs), naming `fixes`: a run stops before its first step, not on an allocation in it."""
+    GPUs or where the allocator gives no limit), naming `fixes`: a run stops before its first
+    step, not on an allocation in it. Arrays live beside the program are the caller's to free."""
     if limit is None:
         device = jax.devices()[0]
-        stats = device.memory_stats() if is_gpu(device) else None
-        if not stats:
+        limit = (device.memory_stats() or {}).get("bytes_limit") if is_gpu(device) else None
+        if limit is None:
             return
-        limit = stats["bytes_limit"]
     if peak > limit:
         raise ConfigError(
             f"{what} needs {peak / GB:.1f} GB a device, more than the {limit / GB:.1f} GB jax "

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import pathlib
@@ -208,8 +207,9 @@ def stage_loop(run: pathlib.Path, args, model, stage: Stage, limits) -> trainer.
 def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=None):
     """Trains the Params of `module` on `stage.loss` over the data-parallel `mesh`, the teacher
     (a module, or None) frozen, from the newest checkpoint of `loop` if any; returns the trained
-    module. Batch i is the same in every run, so a run resumed after step n continues as the run
-    that died would have."""
+    module (the arrays of `module`'s own Params are consumed: donated to the first step, or freed
+    where a checkpoint is restored). Batch i is the same in every run, so a run resumed after step
+    n continues as the run that died would have."""
     name = stage.name
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params = {name: params}  # the optimizer's one group
@@ -220,10 +220,7 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
         group = Group(stage.learning_rate, 1.0, weight_decay=0.1, warmup_steps=WARMUP_STEPS)
     opt = adamw({name: group})
 
-    # The teacher's weights are an argument (as constants they would be compiled in); the
-    # parameters and optimizer state are donated: their new values take their memory.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, teacher_state, batch):
+    def step(params, opt_state, teacher_state, batch):  # jitted by `compiled_to_fit`
         teacher = nnx.merge(teacher_def, teacher_state)
         f = lambda p: stage.loss(nnx.merge(graphdef, p[name], rest), teacher, batch)
         (loss, metric), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -232,9 +229,12 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
 
     # replicated, as the parameters are on the data-parallel mesh (the step count too, else born
     # on one device, and so restored there)
-    opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, PartitionSpec()))
-    fresh = dict(params=params, opt_state=opt_state)
-    state, done = loop.resume(lambda: fresh) or (fresh, 0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fresh = lambda: dict(params=params, opt_state=jax.device_put(opt.init(params), replicated))
+    resumed = loop.resume(fresh)  # (a template: its optimizer state freed once restored)
+    if resumed is not None:
+        jax.tree.map(lambda x: x.delete(), params)  # the module's first weights, not needed
+    state, done = resumed or (fresh(), 0)
     params, opt_state = state["params"], state["opt_state"]
     start, every = time.perf_counter(), max(stage.steps // 20, 1)
     last, spent = start, spent_seconds(loop, done)
@@ -244,7 +244,7 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
             break
         args = (params, opt_state, teacher_state, batches(i))
         if i == done:
-            step = compiled_to_fit(step, args, name)
+            step = compiled_to_fit(step, args, replicated, name)
         params, opt_state, loss, metric = step(*args)
         if stage.minutes is not None:  # the budget counts device time: wait for each step
             jax.block_until_ready(loss)
@@ -269,15 +269,22 @@ def fit(stage: Stage, module, batches, mesh, loop: trainer.TrainLoop, teacher=No
     return nnx.merge(graphdef, params[name], rest)
 
 
-def compiled_to_fit(step, args, name: str):
-    """`step` compiled for `args`, refused before it runs where it would not fit this GPU."""
-    compiled = step.lower(*args).compile()
+def compiled_to_fit(step, args, replicated: NamedSharding, name: str):
+    """`step` (params, optimizer state, teacher's state, batch -> the first two, loss, metric)
+    compiled for `args`: the teacher's weights an argument (as constants they would be compiled
+    in), the parameters and optimizer state donated (their new values take their memory) and
+    given back placed as they came, so that the program takes its own outputs; refused before it
+    runs where it would not fit this GPU."""
+    placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    outputs = (placed(args[0]), placed(args[1]), replicated, replicated)
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=outputs)
+    compiled = jitted.lower(*args).compile()
     plan_devices.check_fits(
         Figures.of(compiled).peak,
         f"the {name} stage's train step",
-        "pass model.remat=full (a layer saves its input, not its products' outputs), a smaller "
-        "--batch with more --steps, or give jax more of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, "
-        f"{plan_devices.JAX_MEMORY_FRACTION} by default)",
+        "pass model.remat=full if it is not (a layer then saves its input, not its products' "
+        "outputs), a smaller --batch with more --steps, or give jax more of the GPU "
+        f"(XLA_PYTHON_CLIENT_MEM_FRACTION, {plan_devices.JAX_MEMORY_FRACTION} by default)",
     )
     return compiled
 

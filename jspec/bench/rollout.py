@@ -499,10 +499,10 @@ def main(argv=None):
         trees = {name: TREES[name] for name in args.trees}  # `--no-spec` or not
         check_greedy(*models(args, dtype="float32"), trees, args)
     model, draft, prompt_rows = models(args)
-    rate = "given" if args.bandwidth else "measured"  # (the rate goes into the JSON's args)
+    source = "given" if args.bandwidth else "measured"  # (the rate goes into the JSON's args)
     args.bandwidth = args.bandwidth or copy_bandwidth(2048 if args.device == "gpu" else 64)
     quoted = provenance(args)
-    rate = f"copy rate {args.bandwidth / 1e12:.2f} TB/s ({rate})"
+    rate = f"copy rate {args.bandwidth / 1e12:.2f} TB/s ({source})"
     log(f"models ready; {rate}; every speedup below is at {json.dumps(quoted)}")
     weight_bytes = decode_weight_bytes(model)
     rows = []

@@ -21,6 +21,7 @@ from jspec.attention import (
     context_parallel_attention,
     decode,
     masks,
+    mosaic_gpu,
     pallas_decode,
     pallas_tpu,
     pallas_tpu_decode,
@@ -516,6 +517,41 @@ def test_mesh_none_is_named():
     seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
     with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got NoneType"):
         context_parallel_attention(k, k, k, seg, pos, mesh=None)
+
+
+def test_the_mosaic_kernel_is_refused_where_it_cannot_run():
+    """impl='mosaic' off a Hopper GPU, and a head dim or dtype it does not take: named before
+    anything is compiled."""
+    k = jnp.zeros((1, 16, HKV, 64), jnp.bfloat16)
+    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    with pytest.raises(ValueError, match=r"impl='mosaic' needs a Hopper GPU .*use impl='auto'"):
+        attention(k, k, k, seg, pos, impl="mosaic")
+    assert not mosaic_gpu.supports(96, jnp.bfloat16) and not mosaic_gpu.supports(128, jnp.float32)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_mosaic_plan_lists_visible_tiles_fully_visible_first(transposed):
+    """`mosaic_gpu._plan`, per outer tile (query tiles; key tiles when transposed, as the backward
+    walks them): every inner tile holding a visible pair is within the visible count, the tiles
+    within the fully visible count are fully visible, and the list is a permutation (the rest is
+    never visited)."""
+    b, t, bq, bk = 2, 512, 32, 16
+    seg, pos = packed_rows(np.random.default_rng(3), b, t, 16)
+    see, full = blocks.tile_visibility(seg, pos, seg, pos, bq, bk)
+    vis = masks.visible(seg[:, :, None], pos[:, :, None], seg[:, None], pos[:, None])
+    tiles = np.asarray(vis).reshape(b, t // bq, bq, t // bk, bk)
+    some, every = tiles.any((2, 4)), tiles.all((2, 4))
+    if transposed:
+        see, full, some, every = (jnp.swapaxes(x, 1, 2) for x in (see, full, some, every))
+    plan = np.asarray(mosaic_gpu._plan(see, full))
+    some, every = np.asarray(some), np.asarray(every)
+    for r in range(b):
+        for i in range(plan.shape[1]):
+            n_full, n, order = plan[r, i, 0], plan[r, i, 1], plan[r, i, 2:]
+            assert sorted(order) == list(range(len(order)))
+            assert set(np.flatnonzero(some[r, i])) <= set(order[:n])
+            assert every[r, i, order[:n_full]].all()
+    assert plan[..., 0].sum() > 0 and (plan[..., 1] > plan[..., 0]).any()  # both kinds occur
 
 
 def test_readme_example_runs():

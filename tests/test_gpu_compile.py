@@ -8,6 +8,9 @@ and say so."""
 import functools
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jspec.bench import kernel_census
@@ -84,3 +87,30 @@ def test_a_pipeline_runs_the_attention_kernels_inside_its_stages():
     kernels = set(re.findall(r"jspec_attention_\w+", "\n".join(in_stages)))
     assert kernels == {"jspec_attention_fwd", "jspec_attention_dkdv", "jspec_attention_dq"}
     assert "collective-permute" in text and "all-gather" not in text
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")
+def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
+    """The gradient of `attention(impl="mosaic")` compiles for an H200 (packed rows, GQA, a length
+    that is not whole tiles): one Mosaic GPU kernel forward, one backward, which accumulates dq in
+    place (its output aliases the running dq it is given)."""
+    from jax.sharding import Mesh, SingleDeviceSharding
+
+    from jspec.attention import attention, target
+
+    [device] = plan_devices.gpu_topology_devices("1x1", plan_devices.gpu_target("h200"))
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+
+    def loss(q, k, v, seg, pos):
+        return attention(q, k, v, seg, pos, impl="mosaic").astype(jnp.float32).sum()
+
+    b, t, hq, hkv, d = 2, 1000, 8, 2, 128
+    args = [arg((b, t, hq, d), jnp.bfloat16), *(arg((b, t, hkv, d), jnp.bfloat16),) * 2]
+    args += [arg((b, t), jnp.int32)] * 2
+    with target.compiling_for(Mesh(np.array([device]), ("x",))):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
+    assert len(calls) == 2, calls
+    assert sum("output_to_operand_aliasing" in line for line in calls) == 1

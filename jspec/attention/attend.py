@@ -10,29 +10,31 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, checks, decode, masks, pallas_gpu, pallas_tpu, ring
+from jspec.attention import blocks, checks, decode, masks, mosaic_gpu, pallas_gpu, pallas_tpu, ring
 from jspec.attention.branch import Branch
 
 BLOCK_Q = 512
 BLOCK_K = 512
 PALLAS_PAD = 128  # a multiple of every Pallas tile, so the kernel never pads per ring step
-# The block kernel: "xla" (portable), "pallas" (NVIDIA GPU), "pallas_tpu" (TPU), either Pallas
-# kernel in Pallas' interpreter on any backend ("pallas_interpret", "pallas_tpu_interpret": slow,
-# for tests); "auto" takes the Pallas kernel of the backend where it runs, and elsewhere XLA's path,
-# or the TPU kernel in a program compiled for a TPU (a CPU host compiling for a TPU slice).
+# The block kernel: "xla" (portable), "pallas" (NVIDIA GPU, Triton), "mosaic" (Hopper GPU, Pallas'
+# Mosaic GPU backend: head dim 64 or 128, 16-bit), "pallas_tpu" (TPU), either Pallas kernel of the
+# first kind in Pallas' interpreter on any backend ("pallas_interpret", "pallas_tpu_interpret":
+# slow, for tests); "auto" takes the Pallas kernel of the backend where it runs, and elsewhere XLA's
+# path, or the TPU kernel in a program compiled for a TPU (a CPU host compiling for a TPU slice).
 # "decode": few queries per row against a long cache, on one device (`decode.py`: rollouts).
 IMPLS = (
     "auto",
     "xla",
     "pallas",
     "pallas_interpret",
+    "mosaic",
     "pallas_tpu",
     "pallas_tpu_interpret",
     "decode",
 )
 
 
-def _resolve(impl: str, head_dim: int) -> str:
+def _resolve(impl: str, head_dim: int, dtype) -> str:
     """The kernel `ring.Static` runs ("xla_or_tpu": XLA's path unless compiled for a TPU)."""
     if impl == "auto":
         if pallas_tpu.available():
@@ -44,6 +46,16 @@ def _resolve(impl: str, head_dim: int) -> str:
         raise ValueError(
             "impl='pallas' needs an NVIDIA GPU with Pallas' Triton backend; use impl='auto' or "
             "'xla' here (or 'pallas_interpret' to run the kernel in the interpreter)."
+        )
+    if impl == "mosaic" and not mosaic_gpu.available():
+        raise ValueError(
+            "impl='mosaic' needs a Hopper GPU (compute capability 9) and jax >= 0.11; use "
+            "impl='auto' here."
+        )
+    if impl == "mosaic" and not mosaic_gpu.supports(head_dim, dtype):
+        raise ValueError(
+            f"impl='mosaic' takes head dim 64 or 128 in bfloat16 or float16, got {head_dim} in "
+            f"{jnp.dtype(dtype).name}; use impl='pallas' or 'xla'."
         )
     if impl in ("pallas", "pallas_interpret") and not pallas_gpu.supports(head_dim):
         raise ValueError(
@@ -113,7 +125,7 @@ def _attend(
     if heads_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
-    kernel = _resolve(impl, k.shape[-1])
+    kernel = _resolve(impl, k.shape[-1], k.dtype)
     if kernel in ("xla", "xla_or_tpu"):
         block_q = min(block_q or BLOCK_Q, blocks.round_up(n_rows, 8))
         block_k = min(block_k or BLOCK_K, blocks.round_up(k.shape[1], 8))
@@ -154,7 +166,7 @@ def attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
-    tiles: pallas_gpu.Tiles | pallas_tpu.Tiles | None = None,
+    tiles: pallas_gpu.Tiles | mosaic_gpu.Tiles | pallas_tpu.Tiles | None = None,
     decode_options: decode.DecodeOptions | None = None,
     heads_major: bool = False,
 ):
@@ -162,11 +174,11 @@ def attention(
 
     Returns the trunk output [B,Tq,Hq,D] (None when q is None), or `(out, branch_out)` with a
     branch. `block_q`, `block_k` set the tile of the XLA blocks (default 512 x 512, clipped to the
-    lengths), `tiles` those of the Pallas kernel (`pallas_gpu.Tiles` or `pallas_tpu.Tiles`; None:
-    the kernel's default), `decode_options` how `impl="decode"` runs (None:
-    `decode.DecodeOptions()`). Visibility is the contract's (docs/attention.md); `reference.py` is
-    its dense statement. `heads_major`: k and v are [B,Hkv,Tk,D], a KV cache's layout, which
-    `impl="decode"` reads as it is (the other paths transpose it).
+    lengths), `tiles` those of the Pallas kernel (`pallas_gpu.Tiles`, `mosaic_gpu.Tiles` or
+    `pallas_tpu.Tiles`; None: the kernel's default), `decode_options` how `impl="decode"` runs
+    (None: `decode.DecodeOptions()`). Visibility is the contract's (docs/attention.md);
+    `reference.py` is its dense statement. `heads_major`: k and v are [B,Hkv,Tk,D], a KV cache's
+    layout, which `impl="decode"` reads as it is (the other paths transpose it).
     """
     return _attend(
         q,
@@ -203,7 +215,7 @@ def ring_attention(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
-    tiles: pallas_gpu.Tiles | pallas_tpu.Tiles | None = None,
+    tiles: pallas_gpu.Tiles | mosaic_gpu.Tiles | pallas_tpu.Tiles | None = None,
 ):
     """`attention` inside `shard_map`, the trunk K/V spread over the ring axis `axis_name`.
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jspec.attention import blocks, pallas_gpu, pallas_tpu
+from jspec.attention import blocks, mosaic_gpu, pallas_gpu, pallas_tpu
 
 # The checkpoint name of attention's output and log-sum-exp, all its backward needs beside q, k, v:
 # a remat policy that saves them (`jax.checkpoint_policies.save_only_these_names`) keeps the
@@ -30,13 +30,17 @@ SAVED = "attention"
 
 
 class Static(NamedTuple):
-    kernel: str  # "xla", "xla_or_tpu", "pallas", "pallas_tpu", or a Pallas one + "_interpret"
+    kernel: (
+        str  # "xla", "xla_or_tpu", "pallas", "mosaic", "pallas_tpu", or a Pallas one + "_interpret"
+    )
     axis_name: str | None
     scale: float
     block_q: int
     block_k: int
     branch_rows: tuple[int, int]  # [start, stop) of the branch queries in the query array
-    tiles: pallas_gpu.Tiles | pallas_tpu.Tiles | None  # the Pallas kernel's (None: its default)
+    tiles: (
+        pallas_gpu.Tiles | mosaic_gpu.Tiles | pallas_tpu.Tiles | None
+    )  # the kernel's (None: default)
 
 
 def _kernel(st: Static):
@@ -45,6 +49,8 @@ def _kernel(st: Static):
         return blocks.fwd, blocks.bwd
     if st.kernel == "xla_or_tpu":
         return _xla_or_tpu(blocks.fwd, pallas_tpu.fwd), _xla_or_tpu(blocks.bwd, pallas_tpu.bwd)
+    if st.kernel == "mosaic":
+        return tuple(functools.partial(f, tiles=st.tiles) for f in (mosaic_gpu.fwd, mosaic_gpu.bwd))
     module = pallas_tpu if st.kernel.startswith("pallas_tpu") else pallas_gpu
     kw = dict(interpret=st.kernel.endswith("_interpret"), tiles=st.tiles)
     return functools.partial(module.fwd, **kw), functools.partial(module.bwd, **kw)

@@ -6,10 +6,13 @@
 1. Correctness at small shapes (packed documents with padding, GQA, bf16 and float32): the
    kernel's output and gradients (through `attention(impl="pallas")`, and block-level `fwd`/`bwd`
    on keys out of order) against `reference_attention` / `blocks`. Error max|x-ref|/max|ref|,
-   limits 2e-2 (bf16) and 1e-4 (float32).
+   limits 2e-2 (bf16) and 1e-4 (float32). On a Hopper GPU with jax 0.11 the same for the Mosaic
+   GPU kernel (`impl="mosaic"`, bf16 and head dims 64 and 128; its blocks continuing a running
+   output, as the ring does).
 2. Timing at B=1, T=32768, 32/8 heads, D=128, bf16: causal fwd and fwd+bwd of the kernel (a tile
    sweep first, unless --no-sweep), of cuDNN (`jax.nn.dot_product_attention`), and with packed
-   documents the kernel against the XLA block path (`jspec.attention.attention(impl="xla")`).
+   documents the kernel against the XLA block path (`jspec.attention.attention(impl="xla")`);
+   the Mosaic GPU kernel's rows beside them where it runs.
    FLOPs count only the visible pairs; fwd+bwd counts
    the backward as 2.5 forwards. Prints a table and writes JSON (after every section, so a run
    cut short still leaves its results).
@@ -32,13 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.attention import attention, blocks, pallas_gpu, reference_attention
+from jspec.attention import attention, blocks, mosaic_gpu, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
 from jspec.bench.timing import time_compiled
 from jspec.jobs import cli
 
-# Correctness cases of the self-attention check: (head dim, dtype).
-CASES = ((128, jnp.bfloat16), (128, jnp.float32), (64, jnp.bfloat16))
+# Correctness cases of the self-attention check: (impl, head dim, dtype).
+CASES = (("pallas", 128, jnp.bfloat16), ("pallas", 128, jnp.float32), ("pallas", 64, jnp.bfloat16))
+MOSAIC_CASES = (("mosaic", 128, jnp.bfloat16), ("mosaic", 64, jnp.bfloat16))
 # The tile sweep: candidates per kernel, swept in this order (each sweep starts from the winners
 # of the ones before it).
 SWEEP = {
@@ -144,11 +148,11 @@ def reference(q, k, v, seg, pos):
         return reference_attention(*f32, seg, pos)
 
 
-def check_attention(rng, d, dtype):
-    """The row of `attention(impl="pallas")` against `reference` on packed rows with padding and
+def check_attention(rng, impl, d, dtype):
+    """The row of `attention(impl=impl)` against `reference` on packed rows with padding and
     GQA: output and gradients within the dtype's limit, and zeros at the padding."""
     b, t, hq, hkv = 2, 1024, 8, 2
-    name = f"self-attn packed+pad B={b} T={t} {hq}/{hkv} D={d} {jnp.dtype(dtype).name}"
+    name = f"{impl} self-attn packed+pad B={b} T={t} {hq}/{hkv} D={d} {jnp.dtype(dtype).name}"
     limit = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     try:
         seg, pos = packed(rng, b, t, 300, 40)
@@ -162,7 +166,7 @@ def check_attention(rng, d, dtype):
 
             return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
-        ours = functools.partial(attention, impl="pallas")
+        ours = functools.partial(attention, impl=impl)
         out = jax.jit(ours)(q, k, v, seg, pos)
         out_ref = jax.jit(reference)(q, k, v, seg, pos)
         _, grads = loss(ours)(q, k, v)
@@ -175,25 +179,32 @@ def check_attention(rng, d, dtype):
     return {"case": name, "limit": limit, "ok": ok, "padding_out_zero": pad_zero, **errs}
 
 
-def check_blocks(rng):
-    """The row of block-level `pallas_gpu.fwd`/`bwd` against `blocks.fwd`/`bwd`, float32, cross
-    attention against keys in shuffled chunks: what a ring step hands the kernel."""
+def check_blocks(rng, module, dtype, limit):
+    """The row of block-level `module.fwd`/`bwd` against `blocks.fwd`/`bwd` (float32 inputs of
+    the same values): cross attention against keys in shuffled chunks, continuing a running output
+    in which some queries have seen nothing yet, as a ring step hands the kernel."""
+    name = f"{module.__name__.split('.')[-1]} blocks fwd/bwd, keys out of order, running output"
     try:
         seg, pos = packed(rng, 1, 512, 120, 16)
         perm = np.concatenate([np.arange(c * 64, c * 64 + 64) for c in (5, 0, 7, 2, 1, 6, 3, 4)])
         k_seg, k_pos = seg[:, perm], pos[:, perm]
         q_seg, q_pos = seg[:, 128:384], pos[:, 128:384]
-        q = normal(rng, (1, 256, 4, 64), jnp.float32)
-        k, v = normal(rng, (1, 512, 1, 64), jnp.float32), normal(rng, (1, 512, 1, 64), jnp.float32)
+        q = normal(rng, (1, 256, 4, 64), dtype)
+        k, v = normal(rng, (1, 512, 1, 64), dtype), normal(rng, (1, 512, 1, 64), dtype)
+        lse0 = normal(rng, (1, 256, 4), jnp.float32)
+        lse0 = jnp.where(jnp.asarray(rng.random(lse0.shape) < 0.3), -jnp.inf, lse0)
+        o0 = jnp.where(jnp.isinf(lse0)[..., None], 0.0, normal(rng, q.shape, jnp.float32))
         a = (q, k, v, q_seg, q_pos, k_seg, k_pos)
         kw = dict(scale=0.125, block_q=64, block_k=64)
         with jax.default_matmul_precision("highest"):
-            o_ref, lse_ref = jax.jit(lambda *a: blocks.fwd(*a, **kw))(*a)
+            f32 = [x.astype(jnp.float32) for x in a[:3]] + list(a[3:])
+            o_ref, lse_ref = jax.jit(lambda *a: blocks.fwd(*a, **kw))(*f32, (o0, lse0))
             do = normal(rng, o_ref.shape, jnp.float32)
             delta = jnp.sum(do * o_ref, -1)
-            g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*a, lse_ref, do, delta)
-        o, lse = jax.jit(lambda *a: pallas_gpu.fwd(*a, **kw))(*a)
-        g = jax.jit(lambda *a: pallas_gpu.bwd(*a, **kw))(*a, lse_ref, do, delta)
+            dq0 = normal(rng, q.shape, jnp.float32)
+            g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*f32, lse_ref, do, delta, dq0)
+        o, lse = jax.jit(lambda *a: module.fwd(*a, **kw))(*a, (o0, lse0))
+        g = jax.jit(lambda *a: module.bwd(*a, **kw))(*a, lse_ref, do, delta, dq0)
         fin = jnp.isfinite(lse_ref)
         errs = {
             "out": err(o, o_ref),
@@ -201,17 +212,21 @@ def check_blocks(rng):
             "lse_inf_match": bool(jnp.all(jnp.isfinite(lse) == fin)),
             **grad_errs(g, g_ref),
         }
-        ok = max(v for v in errs.values() if not isinstance(v, bool)) < 1e-4
+        ok = max(v for v in errs.values() if not isinstance(v, bool)) < limit
         ok = ok and errs["lse_inf_match"]
     except Exception as e:  # noqa: BLE001
         errs, ok = {"error": failed(e)}, False
-    return {"case": "blocks fwd/bwd, keys out of order, f32", "limit": 1e-4, "ok": ok, **errs}
+    return {"case": f"{name}, {jnp.dtype(dtype).name}", "limit": limit, "ok": ok, **errs}
 
 
 def check_correctness(run, rng):
     """Section 1: every correctness row, PASS or FAIL, before any timing."""
-    checks = [functools.partial(check_attention, rng, d, dtype) for d, dtype in CASES]
-    for check in [*checks, functools.partial(check_blocks, rng)]:
+    cases = CASES + (MOSAIC_CASES if mosaic_gpu.available() else ())
+    checks = [functools.partial(check_attention, rng, *case) for case in cases]
+    checks.append(functools.partial(check_blocks, rng, pallas_gpu, jnp.float32, 1e-4))
+    if mosaic_gpu.available():
+        checks.append(functools.partial(check_blocks, rng, mosaic_gpu, jnp.bfloat16, 2e-2))
+    for check in checks:
         row = check()
         run.add("correctness", row, "PASS " if row["ok"] else "FAIL ")
 
@@ -349,6 +364,13 @@ def compare(run, x, tiles):
     ):
         fwd_fn = kernel_fwd(tiles, seg, pos, x.scale)
         rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
+    if mosaic_gpu.available():
+        for name, (seg, pos), n_flops in (
+            ("mosaic causal", x.causal, x.causal_flops),
+            ("mosaic packed docs", x.docs, x.doc_flops),
+        ):
+            mosaic = lambda q, k, v, seg=seg, pos=pos: attention(q, k, v, seg, pos, impl="mosaic")
+            rows.append(timed(run, name, mosaic, fwd_bwd(mosaic, x.ct), n_flops, xs))
     if not run.args.no_xla:
         xla = lib("xla", *x.docs)
         rows.append(
@@ -389,6 +411,11 @@ def summarize(rows):
         summary["causal_fwd_bwd_vs_cudnn"] = ratio("fwd_bwd_ms", "cudnn causal", "pallas causal")
         summary["causal_fwd_vs_cudnn"] = ratio("fwd_ms", "cudnn causal", "pallas causal")
     with contextlib.suppress(KeyError):
+        summary["mosaic_causal_fwd_bwd_vs_cudnn"] = ratio(
+            "fwd_bwd_ms", "cudnn causal", "mosaic causal"
+        )
+        summary["mosaic_causal_fwd_vs_cudnn"] = ratio("fwd_ms", "cudnn causal", "mosaic causal")
+    with contextlib.suppress(KeyError):
         summary["packed_fwd_bwd_speedup_vs_xla"] = ratio(
             "fwd_bwd_ms", "attention(impl=xla) packed", "pallas packed docs"
         )
@@ -405,6 +432,7 @@ def main(argv=None):
         "jax": jax.__version__,
         "device": dev.device_kind,
         "available": pallas_gpu.available(),
+        "mosaic_available": mosaic_gpu.available(),
         "default_tiles": [t._asdict() for t in pallas_gpu.TILES],
         "correctness": [],
         "timing": [],

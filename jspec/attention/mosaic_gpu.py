@@ -46,11 +46,14 @@ _DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 class Tiles(NamedTuple):
-    """Keys a forward step streams; queries a backward step streams; slots of each ring."""
+    """Keys a forward step streams and the forward's ring of slots; queries a backward step
+    streams and the backward's ring. The defaults fill most of an H100's or H200's 227 KiB of
+    shared memory at head dim 128 (a third backward slot would not fit)."""
 
     fwd_k: int = 128
+    fwd_steps: int = 2
     bwd_q: int = 64
-    steps: int = 2
+    bwd_steps: int = 2
 
 
 TILES = Tiles()
@@ -220,7 +223,7 @@ def _fwd_compute(smem, landed, consumed, schedule, wg, steps, refs, q_ids, acc0,
         slot = lax.rem(i, steps)
 
         def scores(s_ref):
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
             turn()
             return s_ref[...]
 
@@ -269,7 +272,7 @@ def _fwd_compute(smem, landed, consumed, schedule, wg, steps, refs, q_ids, acc0,
 def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
     b, tq0, hq, d = q.shape
     hkv = k.shape[2]
-    bk, steps = tiles.fwd_k, tiles.steps
+    bk, steps = tiles.fwd_k, tiles.fwd_steps
     tq, tk = blocks.round_up(tq0, 2 * ROWS), blocks.round_up(k.shape[1], bk)
     q, q_seg, q_pos, o0, lse0 = (blocks.pad_rows(x, tq) for x in (q, q_seg, q_pos, o0, lse0))
     k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
@@ -369,7 +372,7 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
         plgpu.barrier_wait(q_landed.at[slot])
 
         def scores(s_ref):
-            plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+            plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].T)
             return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
@@ -385,7 +388,7 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
         def dv_dp(refs):
             dv_ref, dp_ref = refs
             plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-            plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+            plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].T)
 
         zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32), _WG)
         dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
@@ -398,7 +401,7 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
         def dk_dq(refs):
             dk_ref, dq_ref = refs
             plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot])
-            plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem)
+            plgpu.wgmma(dq_ref, ds_smem.T, k_smem)
 
         zeros = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), _WG)
         dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros)))
@@ -428,7 +431,7 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     heads-first (lse in base 2), one kernel."""
     b, tq0, hq, d = q.shape
     tk0, hkv = k.shape[1:3]
-    bq, steps = tiles.bwd_q, tiles.steps
+    bq, steps = tiles.bwd_q, tiles.bwd_steps
     tq, tk = blocks.round_up(tq0, bq), blocks.round_up(tk0, 2 * ROWS)
     q, dout, q_seg, q_pos, dq0 = (blocks.pad_rows(x, tq) for x in (q, dout, q_seg, q_pos, dq0))
     k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
@@ -473,7 +476,7 @@ def _check(q, k, tiles: Tiles):
             f"the Mosaic GPU kernel takes head dim 64 or 128 in bfloat16 or float16; got {d} in "
             f"{jnp.dtype(k.dtype).name}: use impl='pallas' or 'xla'."
         )
-    if tiles.fwd_k % 64 or tiles.bwd_q % 64 or tiles.steps < 2:
+    if tiles.fwd_k % 64 or tiles.bwd_q % 64 or min(tiles.fwd_steps, tiles.bwd_steps) < 2:
         raise ValueError(f"tiles must be multiples of 64 with at least 2 steps; got {tiles}.")
 
 

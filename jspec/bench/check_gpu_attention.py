@@ -43,6 +43,7 @@ from jspec.jobs import cli
 # Correctness cases of the self-attention check: (impl, head dim, dtype).
 CASES = (("pallas", 128, jnp.bfloat16), ("pallas", 128, jnp.float32), ("pallas", 64, jnp.bfloat16))
 MOSAIC_CASES = (("mosaic", 128, jnp.bfloat16), ("mosaic", 64, jnp.bfloat16))
+MOSAIC_FWD_64 = mosaic_gpu.Tiles(fwd_k=64, fwd_steps=3)  # the other forward tiling that fits
 # The tile sweep: candidates per kernel, swept in this order (each sweep starts from the winners
 # of the ones before it).
 SWEEP = {
@@ -347,12 +348,13 @@ def sweep_tiles(run, x):
 
 def compare(run, x, tiles):
     """The rows of the table: cuDNN and the kernel on the causal row, the kernel on packed
-    documents (the library's calls with `tiles`), and (unless --no-xla) the XLA block path on the
-    same documents."""
+    documents (the library's calls with `tiles`), the Mosaic GPU kernel on both where it runs
+    (and its other forward tiling on the causal row), and (unless --no-xla) the XLA block path on
+    the same documents."""
     xs = (x.q, x.k, x.v)
 
-    def lib(impl, seg, pos):
-        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl, tiles=tiles)
+    def lib(impl, seg, pos, tl=tiles):
+        return lambda q, k, v: attention(q, k, v, seg, pos, impl=impl, tiles=tl)
 
     def cudnn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -365,11 +367,12 @@ def compare(run, x, tiles):
         fwd_fn = kernel_fwd(tiles, seg, pos, x.scale)
         rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
     if mosaic_gpu.available():
-        for name, (seg, pos), n_flops in (
-            ("mosaic causal", x.causal, x.causal_flops),
-            ("mosaic packed docs", x.docs, x.doc_flops),
+        for name, (seg, pos), n_flops, tl in (
+            ("mosaic causal", x.causal, x.causal_flops, mosaic_gpu.TILES),
+            ("mosaic packed docs", x.docs, x.doc_flops, mosaic_gpu.TILES),
+            ("mosaic causal, fwd 64 keys x 3", x.causal, x.causal_flops, MOSAIC_FWD_64),
         ):
-            mosaic = lambda q, k, v, seg=seg, pos=pos: attention(q, k, v, seg, pos, impl="mosaic")
+            mosaic = lib("mosaic", seg, pos, tl)
             rows.append(timed(run, name, mosaic, fwd_bwd(mosaic, x.ct), n_flops, xs))
     if not run.args.no_xla:
         xla = lib("xla", *x.docs)

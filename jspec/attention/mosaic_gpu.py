@@ -10,10 +10,12 @@ that only copies, streaming tiles into a ring of `steps` shared-memory slots. Pe
 say "landed" (the copy's bytes arrived) and "consumed" (both compute groups are done with it).
 
 - forward: a program per (query head, 128-query tile, row) streams K/V tiles; online softmax in
-  base 2; the running (o, lse) is read from memory and continued, as the ring needs.
+  base 2; the running (o, lse) is continued in place (`jax.new_ref`), as the ring needs.
 - backward: a program per (KV head, 128-key tile, row) streams the q, dO, lse and delta tiles of
   its G query heads; dK and dV stay in registers. Each tile pair's dQ leaves by a TMA reduce-add
   into the running dq (`jax.new_ref`: in place): five products a tile pair, no second kernel.
+  The reduction's order varies, so dq may differ in its last bits from run to run (the Triton
+  kernel's is fixed).
 
 Skipping: per (row, program tile) a list of the visible tiles of the other kind, the fully visible
 first (`blocks.tile_visibility`). The copy group walks the list; compute groups mask only the
@@ -120,18 +122,20 @@ def _visible(q_seg, q_pos, k_seg, k_pos, shape, q_axis):
     return (qs == ks) & (qs != 0) & (kp <= qp)
 
 
-def _stream(count, steps, copy, consumed):
-    """The copy group's loop: tiles 0..count-1 into slots i % steps, each slot refilled once both
-    compute groups have released it (every barrier of `consumed`)."""
+def _stream(count, steps, parts):
+    """The copy group's loop: tiles 0..count-1 into slots i % steps. `parts` are (consumed
+    barrier, copy(i, slot)) pairs, in order: each buffer of a slot is refilled as soon as both
+    compute groups have released that buffer, not the whole slot."""
     for i in range(steps):
-        pl.when(i < count)(functools.partial(copy, i, i))
+        for _, copy in parts:
+            pl.when(i < count)(functools.partial(copy, i, i))
 
     @pl.loop(0, jnp.maximum(count - steps, 0))
     def _(i):
         slot = lax.rem(i, steps)
-        for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[slot])
-        copy(i + steps, slot)
+        for consumed, copy in parts:
+            plgpu.barrier_wait(consumed.at[slot])
+            copy(i + steps, slot)
 
 
 def _smem(shape, dtype):
@@ -162,8 +166,9 @@ def _kernel(body, out_type, grid, names, scratch, args):
 # Forward. Scores in base 2: s2 = q.k * scale * log2(e), exp2 instead of exp.
 
 
-def _fwd_body(plan_ref, q_ref, k_ref, v_ref, idq_ref, idk_ref, o0_ref, lse0_ref, o_ref, lse_ref,
-              scratch, *, scale, bk, steps, groups, n_tiles):  # fmt: skip
+def _fwd_body(plan_ref, q_ref, k_ref, v_ref, idq_ref, idk_ref, o_ref, lse_ref, scratch, *,
+              scale, bk, steps, groups, n_tiles):  # fmt: skip
+    """o_ref, lse_ref hold the running (o, lse) and are continued in place."""
     smem, landed, consumed, schedule = scratch
     row, head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
     qt = n_tiles - 1 - lax.axis_index("q_seq")  # the heaviest (last) query tiles first
@@ -173,42 +178,51 @@ def _fwd_body(plan_ref, q_ref, k_ref, v_ref, idq_ref, idk_ref, o0_ref, lse0_ref,
     def _():
         plgpu.set_max_registers(232, action="increase")
         rows = pl.ds(qt * 2 * ROWS + wg * ROWS, ROWS)
+        q_smem, q_landed = smem[0].at[wg], landed[3].at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[row, rows, head], q_smem, q_landed)  # in flight first
         q_ids = [_load(idq_ref.at[row, i, rows], _ROW) for i in (0, 1)]
-        acc0 = (_load(o0_ref.at[row, rows, head], _WG), _load(lse0_ref.at[row, head, rows], _ROW))
-        refs = (q_ref.at[row, rows, head], o_ref.at[row, rows, head], lse_ref.at[row, head, rows])
+        out = (o_ref.at[row, rows, head], lse_ref.at[row, head, rows])
+        acc0 = (_load(out[0], _WG), _load(out[1], _ROW))
         run = functools.partial(_fwd_compute, smem, landed, consumed, schedule, wg, steps)
-        run(refs, q_ids, acc0, plan_ref[row, qt, 0], n, scale=scale)
+        run(out, q_ids, acc0, plan_ref[row, qt, 0], n, scale=scale)
 
     @pl.when(wg == 2)
     def _():
         plgpu.set_max_registers(40, action="decrease")
         k_smem, v_smem, id_smem = smem[1:4]
         kv_head = lax.div(head, groups)
+        last = plan_ref.shape[-1] - 3  # the prologue's static steps stay within the plan
 
-        def copy(i, slot):
-            j = plan_ref[row, qt, 2 + i]
-            cols = pl.ds(j * bk, bk)
+        def tile(i):
+            return plan_ref[row, qt, 2 + jnp.minimum(i, last)]
+
+        def copy_k(i, slot):
+            cols = pl.ds(tile(i) * bk, bk)
             plgpu.copy_gmem_to_smem(
                 k_ref.at[row, cols, kv_head], k_smem.at[slot], landed[0].at[slot]
             )
+
+        def copy_ids_v(i, slot):
+            j = tile(i)
             plgpu.copy_gmem_to_smem(idk_ref.at[row, j], id_smem.at[slot], landed[2].at[slot])
             plgpu.copy_gmem_to_smem(
-                v_ref.at[row, cols, kv_head], v_smem.at[slot], landed[1].at[slot]
+                v_ref.at[row, pl.ds(j * bk, bk), kv_head], v_smem.at[slot], landed[1].at[slot]
             )
 
-        _stream(n, steps, copy, consumed)
+        _stream(n, steps, ((consumed[0], copy_k), (consumed[1], copy_ids_v)))
 
 
-def _fwd_compute(smem, landed, consumed, schedule, wg, steps, refs, q_ids, acc0, n_full, n, *,
+def _fwd_compute(smem, landed, consumed, schedule, wg, steps, out, q_ids, acc0, n_full, n, *,
                  scale):  # fmt: skip
-    """One compute group's 64 queries against the listed key tiles; writes (o, lse)."""
+    """One compute group's 64 queries (their copy in flight) against the listed key tiles;
+    writes (o, lse) to `out`."""
     q_smem, k_smem, v_smem, id_smem, lse_smem = smem
     (k_landed, v_landed, id_landed, q_landed), (k_done, v_done) = landed, consumed
-    q_gmem, o_gmem, lse_gmem = refs
+    o_gmem, lse_gmem = out
     q_smem = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_gmem, q_smem, q_landed.at[wg])
     o0, lse0 = acc0
     bk, d = k_smem.shape[1], q_smem.shape[-1]
+    c = scale * _LOG2E
     plgpu.barrier_wait(q_landed.at[wg])
 
     def turn():  # the two groups take turns on the tensor cores
@@ -227,17 +241,17 @@ def _fwd_compute(smem, landed, consumed, schedule, wg, steps, refs, q_ids, acc0,
             turn()
             return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32)) * (scale * _LOG2E)
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
         plgpu.barrier_arrive(k_done.at[slot])
         plgpu.barrier_wait(id_landed.at[slot])  # every step, so the barrier's phases stay in step
         if masked:
             k_ids = [_load(id_smem.at[slot, i], _COL) for i in (0, 1)]
             s = jnp.where(_visible(*q_ids, *k_ids, (ROWS, bk), 0), s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
+        m_new = jnp.maximum(m, s.max(axis=1) * c)  # m in base-2 units: p's exponent is one FMA
         # A row that has seen nothing keeps m = -inf; exp2 against 0 then gives p = 0.
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, (ROWS, bk), [0]))
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, (ROWS, bk), [0]))
         acc = acc * lax.broadcast_in_dim(alpha, (ROWS, d), [0])
         l = l * alpha + p.sum(axis=1)
         p16 = p.astype(q_smem.dtype)
@@ -293,12 +307,11 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
     body = functools.partial(
         _fwd_body, scale=scale, bk=bk, steps=steps, groups=hq // hkv, n_tiles=n_tiles
     )
-    lse0 = jnp.swapaxes(lse0, 1, 2)  # heads first: a tile's values are contiguous
-    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
-    args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk), o0, lse0)
-    grid = (hq, n_tiles, b)
-    o, lse = _kernel(body, (f32(o0), f32(lse0)), grid, ("heads", "q_seq", "batch"), scratch, args)
-    return o[:, :tq0], jnp.swapaxes(lse, 1, 2)[:, :tq0]
+    # Continued in place; the statistics heads first (a tile's values contiguous).
+    o, lse = jax.new_ref(o0), jax.new_ref(jnp.swapaxes(lse0, 1, 2))
+    args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk), o, lse)
+    _kernel(body, (), (hq, n_tiles, b), ("heads", "q_seq", "batch"), scratch, args)
+    return o[...][:, :tq0], jnp.swapaxes(lse[...], 1, 2)[:, :tq0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,19 +348,24 @@ def _bwd_body(plan_ref, q_ref, k_ref, v_ref, do_ref, idq_ref, idk_ref, lse_ref, 
         plgpu.set_max_registers(40, action="decrease")
         q_smem, do_smem, id_smem, lse_smem, delta_smem = smem[2:7]
 
-        def copy(i, slot):
+        def copy_do(i, slot):  # dO is released first, within the step
+            h, j = tile(i)
+            src = do_ref.at[row, pl.ds(j * bq, bq), h]
+            plgpu.copy_gmem_to_smem(src, do_smem.at[slot], landed[3].at[slot])
+
+        def copy_rest(i, slot):
             h, j = tile(i)
             rows = pl.ds(j * bq, bq)
             for src, dst, bar in (
                 (q_ref.at[row, rows, h], q_smem, 0),
                 (lse_ref.at[row, h, rows], lse_smem, 1),
                 (idq_ref.at[row, j], id_smem, 2),
-                (do_ref.at[row, rows, h], do_smem, 3),
                 (delta_ref.at[row, h, rows], delta_smem, 4),
             ):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], landed[bar].at[slot])
 
-        _stream(groups * n, steps, copy, consumed)
+        q_done, do_done = consumed
+        _stream(groups * n, steps, ((do_done, copy_do), (q_done, copy_rest)))
 
 
 def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest, n_full, n,
@@ -369,6 +387,7 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
     def step(i, carry, masked):
         dk, dv = carry
         slot = lax.rem(i, steps)
+        dest = dq_dest(i)  # read from the plan before anything waits
         plgpu.barrier_wait(q_landed.at[slot])
 
         def scores(s_ref):
@@ -409,7 +428,7 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
         dq_smem[...] = dq * scale
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dq_dest(i), reduction_op="add")
+        plgpu.copy_smem_to_gmem(dq_smem, dest, reduction_op="add")
         return dk, dv
 
     def head(h, carry):

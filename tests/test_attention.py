@@ -479,6 +479,7 @@ def mistake(kind):
         "heads_first_layout": dict(q=jnp.swapaxes(q, 1, 2)),
         "no_query_nodes": dict(branch=Branch(**tree | dict(q=q[:, :2]))),
         "impl": dict(impl="cudnn"),
+        "tiles_of_another_kernel": dict(impl="pallas_tpu_interpret", tiles=mosaic_gpu.Tiles()),
         "segment_ids_shape": dict(segment_ids=seg[:, :8]),
     }[kind]
     return dict(q=q, k=k, v=k, segment_ids=seg, positions=pos) | bad
@@ -494,6 +495,7 @@ MISTAKES = {
     "heads_first_layout": r"q \(1, 4, 16, 8\) looks like \[B,H,T,D\].*jnp.swapaxes\(q, 1, 2\)",
     "no_query_nodes": r"branch.q has 2 queries for 3 nodes: pass branch.query_nodes",
     "impl": r"impl='cudnn' is not available",
+    "tiles_of_another_kernel": r"not the tiles of the .pallas_tpu_interpret. kernel: pass pallas_t",
     "segment_ids_shape": r"k and v must both be \[B,Tk,Hkv,D\] with \[B,Tk\]=\(1, 8\) from segm",
 }
 

@@ -65,6 +65,18 @@ def _resolve(impl: str, head_dim: int, dtype) -> str:
     return impl
 
 
+def _check_tiles(tiles, kernel: str) -> None:
+    """Tiles of the kernel that runs (another kernel's would fail deep inside it)."""
+    kind = {"mosaic": mosaic_gpu.Tiles, "pallas_tpu": pallas_tpu.Tiles}.get(
+        kernel.removesuffix("_interpret"), pallas_gpu.Tiles
+    )
+    if tiles is not None and kernel.startswith(("pallas", "mosaic")) and type(tiles) is not kind:
+        raise TypeError(
+            f"tiles={tiles!r} are not the tiles of the {kernel!r} kernel: pass "
+            f"{kind.__module__.removeprefix('jspec.attention.')}.{kind.__name__}(...) or None."
+        )
+
+
 def _attend(
     q,
     k,
@@ -126,6 +138,7 @@ def _attend(
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     kernel = _resolve(impl, k.shape[-1], k.dtype)
+    _check_tiles(tiles, kernel)
     if kernel in ("xla", "xla_or_tpu"):
         block_q = min(block_q or BLOCK_Q, blocks.round_up(n_rows, 8))
         block_k = min(block_k or BLOCK_K, blocks.round_up(k.shape[1], 8))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from jspec.attention import blocks, target
+from jspec.attention import blocks, masks, target
 
 try:
     from jax.experimental import pallas as pl
@@ -115,11 +115,11 @@ def _load(ref, layout):
 
 
 def _visible(q_seg, q_pos, k_seg, k_pos, shape, q_axis):
-    """`masks.visible` over a tile of `shape` whose queries run along `q_axis`."""
-    k_axis = 1 - q_axis
+    """`masks.visible` over a tile of `shape` whose queries run along `q_axis` (the operands
+    broadcast first: register layouts do not broadcast implicitly)."""
     qs, qp = (lax.broadcast_in_dim(x, shape, [q_axis]) for x in (q_seg, q_pos))
-    ks, kp = (lax.broadcast_in_dim(x, shape, [k_axis]) for x in (k_seg, k_pos))
-    return (qs == ks) & (qs != 0) & (kp <= qp)
+    ks, kp = (lax.broadcast_in_dim(x, shape, [1 - q_axis]) for x in (k_seg, k_pos))
+    return masks.visible(qs, qp, ks, kp)
 
 
 def _stream(count, steps, parts):

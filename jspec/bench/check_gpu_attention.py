@@ -277,10 +277,10 @@ def fwd_bwd(attn, ct):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def kernel_fwd(tiles, seg, pos, scale):
-    """The forward kernel alone (its output, not the log-sum-exp) with these tiles, self-attention
-    under (seg, pos)."""
-    return lambda q, k, v: pallas_gpu.fwd(q, k, v, seg, pos, seg, pos, scale=scale, tiles=tiles)[0]
+def kernel_fwd(module, tiles, seg, pos, scale):
+    """The forward kernel of `module` (pallas_gpu or mosaic_gpu) alone, its output and not the
+    log-sum-exp, with these tiles: self-attention under (seg, pos)."""
+    return lambda q, k, v: module.fwd(q, k, v, seg, pos, seg, pos, scale=scale, tiles=tiles)[0]
 
 
 def timed(run, name, fwd_fn, fb_fn, n_flops, xs):
@@ -334,7 +334,7 @@ def sweep_tiles(run, x):
         )
 
     makes = {
-        "fwd": lambda tl: kernel_fwd(tl, *x.causal, x.scale),
+        "fwd": lambda tl: kernel_fwd(pallas_gpu, tl, *x.causal, x.scale),
         "dkdv": kernel_bwd,
         "dq": kernel_bwd,
     }
@@ -364,7 +364,7 @@ def compare(run, x, tiles):
         ("pallas causal", x.causal, x.causal_flops),
         ("pallas packed docs", x.docs, x.doc_flops),
     ):
-        fwd_fn = kernel_fwd(tiles, seg, pos, x.scale)
+        fwd_fn = kernel_fwd(pallas_gpu, tiles, seg, pos, x.scale)
         rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
     if mosaic_gpu.available():
         for name, (seg, pos), n_flops, tl in (
@@ -372,8 +372,10 @@ def compare(run, x, tiles):
             ("mosaic packed docs", x.docs, x.doc_flops, mosaic_gpu.TILES),
             ("mosaic causal, fwd 64 keys x 3", x.causal, x.causal_flops, MOSAIC_FWD_64),
         ):
-            mosaic = lib("mosaic", seg, pos, tl)
-            rows.append(timed(run, name, mosaic, fwd_bwd(mosaic, x.ct), n_flops, xs))
+            fwd_fn = kernel_fwd(mosaic_gpu, tl, seg, pos, x.scale)
+            rows.append(
+                timed(run, name, fwd_fn, fwd_bwd(lib("mosaic", seg, pos, tl), x.ct), n_flops, xs)
+            )
     if not run.args.no_xla:
         xla = lib("xla", *x.docs)
         rows.append(

@@ -481,6 +481,7 @@ def mistake(kind):
         "impl": dict(impl="cudnn"),
         "tiles_of_another_kernel": dict(impl="pallas_tpu_interpret", tiles=mosaic_gpu.Tiles()),
         "segment_ids_shape": dict(segment_ids=seg[:, :8]),
+        "integer_q": dict(q=jnp.zeros((1, 16, HQ, D), jnp.int32)),
     }[kind]
     return dict(q=q, k=k, v=k, segment_ids=seg, positions=pos) | bad
 
@@ -497,6 +498,7 @@ MISTAKES = {
     "impl": r"impl='cudnn' is not available",
     "tiles_of_another_kernel": r"not the tiles of the .pallas_tpu_interpret. kernel: pass pallas_t",
     "segment_ids_shape": r"k and v must both be \[B,Tk,Hkv,D\] with \[B,Tk\]=\(1, 8\) from segm",
+    "integer_q": r"q must be a floating-point array; got int32",
 }
 
 

@@ -99,6 +99,10 @@ def test_dotted_overrides():
         (["rl.max_grad_norm=-1"], r"rl.max_grad_norm=-1.0 must be > 0"),  # else gradient ascent
         (["rl.draft_max_grad_norm=0"], r"rl.draft_max_grad_norm=0.0 must be > 0"),
         (["rl.keep_checkpoints=0"], r"rl.keep_checkpoints=0 must be >= 1"),
+        (["model.rope_theta=-1"], r"model.rope_theta=-1.0 must be a finite number > 0"),
+        (["model.rms_norm_eps=0"], r"model.rms_norm_eps=0.0 must be a finite number > 0"),
+        (["rl.learning_rate=.inf"], r"rl.learning_rate=inf must be > 0 and finite"),
+        (["model.hidden_size=["], r"override 'model.hidden_size=\[' is not valid YAML"),
         (["rl.task.shifted_difficulty=3"], r"shifted_difficulty is set but rl.task.shift_step=0"),
         (  # the warm start's 5 rows, and a step's 3 packed ones, cut into no 2 microbatches
             ["pipeline.stages=2", "mesh.stage=2", "pipeline.microbatches=2", "rl.sft_batch=20"],
@@ -120,6 +124,15 @@ def test_missing_config_file_is_named(tmp_path):
         config.load("nope")
     with pytest.raises(ConfigError, match="not found"):
         config.load(tmp_path / "absent.yaml")
+
+
+def test_a_config_file_that_is_not_sections_is_named(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model:\n  num_layers: 2\n hidden_size: 8\n")
+    with pytest.raises(ConfigError, match=r"config .*bad.yaml is not valid YAML"):
+        config.load(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- model\n- rl\n")
+    with pytest.raises(ConfigError, match=r"list.yaml holds a list, not sections"):
+        config.load(tmp_path / "list.yaml")
 
 
 def test_mesh_from_config_and_devices():

@@ -296,6 +296,8 @@ def test_compaction_on_the_training_mesh_keeps_rows_on_their_shard(setup):
     with pytest.raises(ConfigError, match=r"rollout.buckets\[0\].rows=3 does not split over"):
         config = greedy(buckets=(Bucket(3),))
         generate(target, draft, s["prompts"], s["lengths"], jax.random.key(1), config)
+    with pytest.raises(ConfigError, match=r"3 rows decode at once \(3 prompts, rollout.rows=0\)"):
+        generate(target, draft, s["prompts"][:3], s["lengths"][:3], jax.random.key(1), greedy())
 
 
 def test_keep_returns_once_that_many_rows_run_however_they_crowd_a_shard(setup):
@@ -550,6 +552,11 @@ BAD = {
     "top_p above 1": (dict(top_p=1.5), None, r"rollout.top_p=1.5 must be in \(0, 1\]"),
     "negative temperature": (dict(temperature=-1.0), None, r"temperature=-1.0 must be >= 0"),
     "EOS outside the vocabulary": (dict(eos_id=64), None, r"eos_id=64 is not a token"),
+    "prompt token outside the vocabulary": (
+        dict(prompt_token=64),
+        None,
+        r"prompts\[1, 0\]=64 is not a token id of the model's vocabulary \[0, 64\)",
+    ),
     "draft of another width": (
         {},
         lambda: eagle3_for(dataclasses.replace(CONFIG, hidden_size=48)),
@@ -573,6 +580,9 @@ BAD = {
 def test_bad_input_is_named(target, name):
     changes, make_draft, message = BAD[name]
     prompts, lengths = random_prompts(2, 5, seed=0)
+    changes = dict(changes)
+    if "prompt_token" in changes:  # a token id in the second prompt
+        prompts = prompts.at[1, 0].set(changes.pop("prompt_token"))
     with pytest.raises((ConfigError, ValueError), match=message):
         config = RolloutConfig(**{"max_new_tokens": 4, **changes})
         draft = make_draft and make_draft()

@@ -219,6 +219,14 @@ def test_missing_files_are_named(checkpoints, tmp_path):
         hf.load(tmp_path)
 
 
+def test_a_weights_file_cut_short_is_named(checkpoints, tmp_path):
+    copy_checkpoint(checkpoints["qwen3"][1], tmp_path)
+    weights = tmp_path / hf.SINGLE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(hf.CheckpointError, match=r"model.safetensors is not a readable safetens"):
+        hf.load(tmp_path)
+
+
 def test_missing_tensor_is_named_with_its_file(checkpoints, tmp_path):
     key = "model.layers.1.mlp.up_proj.weight"
     copy_checkpoint(checkpoints["llama3"][1], tmp_path, drop=key)

@@ -132,6 +132,13 @@ def test_a_mesh_left_to_the_devices_is_refused():
         plan.plan_config(args)
 
 
+def test_a_row_length_the_ring_cannot_cut_is_named():
+    args = plan.parse_args(["--config", "demo", "--mesh", "data=1,stage=1,context=2,tensor=1"])
+    args.seq_len = 101
+    with pytest.raises(config_lib.ConfigError, match=r"--seq-len=101 is not a multiple of 2 \* co"):
+        plan.plan_config(args)
+
+
 @pytest.mark.parametrize(
     "rows, rollout_batch, overrides, message",
     [

@@ -194,7 +194,7 @@ def test_bad_input_gets_its_message_and_status_2(
 
 
 def test_the_table_covers_the_bad_inputs_tried():
-    assert len(table_rows()) == 10
+    assert len(table_rows()) == 11
 
 
 def test_reports_of_a_failed_read_go_to_the_log(tmp_path, monkeypatch, capsys, caplog):

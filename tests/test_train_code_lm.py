@@ -208,6 +208,25 @@ def test_a_batch_that_does_not_split_over_the_devices_is_named(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing read or written before the error
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--steps", "-1"), ("--draft-steps", "-1"), ("--batch", "0"), ("--seq-len", "1")]
+    + [("--heldout", "1"), ("--learning-rate", "nan"), ("--save-minutes", "-2")],
+)
+def test_a_number_out_of_range_is_refused_by_its_flag(flag, value, capsys):
+    """A step count of -1 once trained nothing and saved the stage as finished; the sizes of 0
+    failed inside tracing: now argparse names the flag (exit status 2) before anything runs."""
+    with pytest.raises(SystemExit) as stop:
+        train_code_lm.parse_args([*ARGS, "--run-dir", "x", flag, value])
+    assert stop.value.code == 2
+    assert f"argument {flag}: {value} must be a finite number >=" in capsys.readouterr().err
+
+
+def test_rows_longer_than_the_model_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"--seq-len=4096 is longer than the model's max_seq_len"):
+        train_code_lm.main([*ARGS, "--seq-len", "4096", "--run-dir", str(tmp_path)])
+
+
 def test_a_stage_checkpoint_heals_is_checked_against_the_flags_and_stops(tmp_path, capsys):
     """A stage's checkpoints are train_rl's: one that does not restore is moved to corrupt/ with a
     line; a resume with another --steps (its schedule) is refused unless --allow-config-change;

@@ -113,6 +113,9 @@ def check_inputs(q, k, v, segment_ids, positions, q_segment_ids, q_positions, br
             _check_ids("q_segment_ids", q_segment_ids, "[B,Tq]", q.shape[:2])
             _check_ids("q_positions", q_positions, "[B,Tq]", q.shape[:2])
     queries = [("q", q)] + ([("branch.q", branch.q)] if branch is not None else [])
+    for name, x in [*queries, ("k", k), ("v", v)]:
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array; got {x.dtype}.")
     for name, x in queries:
         if x is not None and (
             x.ndim != 4 or x.shape[0] != b or x.shape[3] != d or x.shape[2] % hkv

@@ -119,8 +119,17 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
                 "e.g. model.num_layers=4."
             )
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+        _set_dotted(tree, key.strip(), _yaml(raw, f"override {item!r}") if raw else "")
     return tree
+
+
+def _yaml(text: str, what: str) -> Any:
+    """`text` parsed as YAML; a ConfigError naming `what` and the parser's complaint if it is not
+    YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} is not valid YAML: {' '.join(str(error).split())}") from None
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -150,7 +159,12 @@ def resolve_path(name_or_path: str | pathlib.Path) -> pathlib.Path:
 def load(name_or_path: str | pathlib.Path = "tiny", overrides: Sequence[str] = ()) -> Config:
     """Loads a YAML config, applies dotted overrides, validates, and returns a frozen Config."""
     path = resolve_path(name_or_path)
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _yaml(path.read_text(), f"config {path}") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config {path} holds a {type(data).__name__}, not sections: write it as a mapping, "
+            "e.g. 'model:' with 'num_layers: 4' under it."
+        )
     data.setdefault("name", path.stem)
     data = _merge(data, parse_overrides(overrides))
     return _build(Config, data, "").validate()

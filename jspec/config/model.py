@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jspec.config.errors import ConfigError
 
@@ -106,6 +107,13 @@ class ModelConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{where}.{name}={value} must be positive.")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(
+                    f"{where}.{name}={value} must be a finite number > 0 (Qwen3: rope_theta 1e6, "
+                    "rms_norm_eps 1e-6)."
+                )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{where}.num_heads={self.num_heads} is not a multiple of "

@@ -178,8 +178,9 @@ class RLConfig:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0.")
         positive = ("learning_rate", "sft_learning_rate", "draft_learning_rate", "clip_epsilon")
         for name in (*positive, "max_grad_norm", "draft_max_grad_norm"):  # 0 or less: no step
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be > 0.")
+            value, finite = getattr(self, name), name in positive  # a norm may be inf: no clip
+            if not value > 0 or (finite and not math.isfinite(value)):
+                raise ConfigError(f"{where}.{name}={value} must be > 0{' and finite' * finite}.")
         full = self.batch // self.sequences_per_row
         for count in self.packed_rows:
             if not 1 <= count <= full:

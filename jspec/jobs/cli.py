@@ -10,7 +10,9 @@ instead. Anything else is a bug and keeps its traceback (exit 1).
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
 import os
 import pathlib
 import sys
@@ -38,6 +40,33 @@ def run(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = No
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse `type`: a finite number of `kind` (int or float) no smaller than `low`, so that
+    `--steps -1` or `--learning-rate nan` is refused with the flag's name before anything runs."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_KIND_NAMES[kind]}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number >= {low}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse `type`: a finite float above 0 (a learning rate, a time, a size in GB)."""
+    value = at_least(0.0, float)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
+_KIND_NAMES = {int: "an integer", float: "a number"}
 
 
 def run_directory(path: pathlib.Path) -> pathlib.Path:

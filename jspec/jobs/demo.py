@@ -31,8 +31,8 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=12")
     p.add_argument("--config", default="demo", help="config name in configs/ or a YAML path")
     p.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint directory")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batch", type=cli.at_least(1), default=4)
+    p.add_argument("--prompt-len", type=cli.at_least(2), default=16)
     return p.parse_args(argv)
 
 

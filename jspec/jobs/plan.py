@@ -104,17 +104,19 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--mesh", default=None, help="e.g. data=8,stage=1,context=1,tensor=8")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per training row")
+    p.add_argument("--seq-len", type=cli.at_least(2), default=None, help="tokens per training row")
     p.add_argument(
         "--rows",
-        type=int,
+        type=cli.at_least(1),
         default=None,
         help="training rows (default: mesh.data, times pipeline.microbatches: one row each)",
     )
-    p.add_argument("--rollout-batch", type=int, default=None, help="default: data * context")
+    p.add_argument(
+        "--rollout-batch", type=cli.at_least(1), default=None, help="default: data * context"
+    )
     p.add_argument(
         "--memory",
-        type=float,
+        type=cli.positive,
         default=None,
         help="GB per device (default: an H200's 141; with --gpu what XLA may allocate of it;\n"
         "for a --topology the chip's HBM:\n"
@@ -222,6 +224,11 @@ def plan_config(args) -> tuple[config_lib.Config, int]:
             f"--seq-len={seq_len} leaves no prompt before rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}; the rollout plans prompts of seq_len - max_new_tokens "
             "tokens: raise --seq-len or lower rollout.max_new_tokens."
+        )
+    if seq_len % (2 * cfg.mesh.context):
+        raise ConfigError(
+            f"--seq-len={seq_len} is not a multiple of 2 * context = {2 * cfg.mesh.context}: the "
+            f"zigzag ring cuts a row into 2 * context chunks; pass a multiple of it."
         )
     model = dataclasses.replace(cfg.model, max_seq_len=max(seq_len, cfg.model.max_seq_len))
     return dataclasses.replace(cfg, model=model).validate(), seq_len

@@ -89,18 +89,18 @@ def parse_args(argv=None):
         nargs="*",
         help="folders of .py files (default: the stdlib and site-packages of this Python)",
     )
-    p.add_argument("--max-bytes", type=int, default=200_000_000, help="corpus size cap")
-    p.add_argument("--heldout", type=int, default=20, help="one file in N is held out")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-bytes", type=cli.at_least(1), default=200_000_000, help="corpus size cap")
+    p.add_argument("--heldout", type=cli.at_least(2), default=20, help="one file in N is held out")
+    p.add_argument("--steps", type=cli.at_least(1), default=600)
+    p.add_argument("--batch", type=cli.at_least(1), default=8)
     p.add_argument(
         "--data-parallel",
-        type=int,
+        type=cli.at_least(0),
         default=0,
         help="devices the batch is split over (0: every device); --batch must be a multiple",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--learning-rate", type=float, default=6e-4)
+    p.add_argument("--seq-len", type=cli.at_least(2), default=2048)
+    p.add_argument("--learning-rate", type=cli.positive, default=6e-4)
     p.add_argument(
         "--draft-kind",
         choices=("eagle3", "mtp", "block", "block-chained"),
@@ -111,41 +111,36 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--mtp-weight",
-        type=float,
+        type=cli.at_least(0.0, float),
         default=0.0,
         help="with --draft-kind mtp: train the head with the target from its first step, its loss "
         "weighted so in the target's (0: the head is trained after, on the frozen target)",
     )
-    p.add_argument("--draft-steps", type=int, default=300)
+    p.add_argument("--draft-steps", type=cli.at_least(0), default=300)
     p.add_argument(
         "--draft-minutes",
-        type=float,
+        type=cli.positive,
         default=None,
         help="train the draft for this many minutes of its steps (at most --draft-steps), at a "
         "constant learning rate after 20 steps of warmup: drafts of every kind given the same "
         "minutes are trained for the same time",
     )
-    p.add_argument("--draft-learning-rate", type=float, default=1e-3)
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--draft-learning-rate", type=cli.positive, default=1e-3)
+    p.add_argument("--ttt-steps", type=cli.at_least(0), default=3)
+    p.add_argument("--eval-batches", type=cli.at_least(1), default=16)
     p.add_argument(
         "--save-minutes",
-        type=float,
+        type=cli.at_least(0.0, float),
         default=4.0,
         help="minutes between checkpoints of a stage in training (a run that dies resumes from "
         "the newest; a save of the 1.4B target and its optimizer state writes about 17 GB)",
     )
     trainer.add_arguments(p)  # --stop-after MINUTES, --stop-after-steps N, --allow-config-change
     args = p.parse_args(argv)
-    if args.draft_minutes is not None and not args.draft_minutes > 0:
+    if args.mtp_weight and args.draft_kind != "mtp":
         raise ConfigError(
-            f"--draft-minutes={args.draft_minutes}: the draft's training time must be > 0 "
-            "minutes (leave it out to train for --draft-steps)."
-        )
-    if args.mtp_weight < 0 or (args.mtp_weight and args.draft_kind != "mtp"):
-        raise ConfigError(
-            f"--mtp-weight={args.mtp_weight} trains an MTP head with the target: it must be >= 0, "
-            f"and > 0 only with --draft-kind mtp (got --draft-kind {args.draft_kind})."
+            f"--mtp-weight={args.mtp_weight} trains an MTP head with the target: it may be > 0 "
+            f"only with --draft-kind mtp (got --draft-kind {args.draft_kind})."
         )
     return args
 
@@ -554,6 +549,11 @@ def main(argv=None):
     args = parse_args(argv)
     limits = trainer.Limits.from_args(args)  # --stop-after counts from here
     cfg = config_lib.load(args.config, args.overrides).model
+    if args.seq_len > cfg.max_seq_len:
+        raise ConfigError(
+            f"--seq-len={args.seq_len} is longer than the model's max_seq_len={cfg.max_seq_len}; "
+            f"pass a shorter --seq-len or model.max_seq_len={args.seq_len}."
+        )
     mesh = data_mesh(args.data_parallel, args.batch)
     run = cli.run_directory(pathlib.Path(args.run_dir))
     # {stage: its loop, None when finished}: the checkpoints' configs checked before anything

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jspec import mesh as mesh_lib
@@ -302,6 +302,18 @@ def _hf_shape(shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
 # Import.
 
 
+def open_weights(path: pathlib.Path):
+    """safetensors' reader of `path` (a context manager); a CheckpointError naming the file when it
+    is not a whole safetensors file (a copy cut short, another format)."""
+    try:
+        return safe_open(path, framework="np")
+    except SafetensorError as error:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({error}); it may have been cut short: "
+            "copy or export the checkpoint again."
+        ) from None
+
+
 class _Reader:
     """The checkpoint's tensors by key, across its safetensors files (opened on first use)."""
 
@@ -324,7 +336,7 @@ class _Reader:
             path = self.root / name
             if not path.is_file():
                 raise CheckpointNotFoundError(f"{path} (listed in {self.root / INDEX}) not found.")
-            self.files[name] = self.stack.enter_context(safe_open(path, framework="np"))
+            self.files[name] = self.stack.enter_context(open_weights(path))
         return self.files[name]
 
     def tensor(self, key: str, shape: tuple[int, ...]) -> np.ndarray:

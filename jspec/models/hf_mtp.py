@@ -24,7 +24,6 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jspec.config import ModelConfig
@@ -151,5 +150,5 @@ def _weight_map(root: pathlib.Path) -> dict[str, str]:
     """Every tensor of the directory and its file: the index's, or the single file's."""
     if (root / hf.INDEX).is_file():
         return dict(hf.read_json(root / hf.INDEX)["weight_map"])
-    with safe_open(root / hf.SINGLE, framework="np") as f:
+    with hf.open_weights(root / hf.SINGLE) as f:
         return dict.fromkeys(f.keys(), hf.SINGLE)

@@ -135,19 +135,8 @@ def _generate_args(
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config", "keep"))
-def _generate(
-    target_def,
-    draft_def,
-    target_state,
-    draft_state,
-    prompts,
-    lengths,
-    key,
-    continued,
-    *,
-    config,
-    keep,
-):
+def _generate(target_def, draft_def, target_state, draft_state, prompts, lengths, key, continued,
+              *, config, keep):  # fmt: skip
     target = nnx.merge(target_def, target_state)
     draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
     return rollout(target, draft, prompts, lengths, key, config, continued=continued, keep=keep)
@@ -194,11 +183,33 @@ def check_generate_args(
                 f"prompt_lengths[{bad[0]}]={n[bad[0]]} is outside [1, {t}]: every prompt needs at "
                 f"least one token and at most the {t} columns of `prompts`."
             )
+        if concrete(prompts):
+            _check_token_ids(np.asarray(prompts), n, target.config.vocab_size)
     rows = decode_rows(config, p + (0 if continued is None else continued.lengths.shape[0]))
+    if rows % shards:
+        raise ConfigError(
+            f"{rows} rows decode at once ({p} prompts, rollout.rows={config.rows}): they do not "
+            f"split over the {shards} shards of the rows (mesh axes data x context); pass a "
+            f"multiple of {shards} prompts or set rollout.rows to one."
+        )
     if not 0 <= keep < rows:
         raise ValueError(f"keep={keep} must be in [0, {rows}): rows left running of the {rows}.")
     if continued is not None:
         _check_continued(continued, rows, t + config.max_new_tokens, config.max_new_tokens)
+
+
+def _check_token_ids(prompts: np.ndarray, lengths: np.ndarray, vocab: int) -> None:
+    """Every prompt token (the first `lengths` columns of its row) is an id of the vocabulary: an
+    embedding lookup would clamp one outside it without a word."""
+    outside = (np.arange(prompts.shape[1]) < lengths[:, None]) & (
+        (prompts < 0) | (prompts >= vocab)
+    )
+    if outside.any():
+        i, j = np.argwhere(outside)[0]
+        raise ValueError(
+            f"prompts[{i}, {j}]={prompts[i, j]} is not a token id of the model's vocabulary "
+            f"[0, {vocab}); encode prompts with the model's tokenizer."
+        )
 
 
 def _check_continued(continued: Continued, rows: int, slots: int, budget: int) -> None:

@@ -482,6 +482,7 @@ def mistake(kind):
         "tiles_of_another_kernel": dict(impl="pallas_tpu_interpret", tiles=mosaic_gpu.Tiles()),
         "segment_ids_shape": dict(segment_ids=seg[:, :8]),
         "integer_q": dict(q=jnp.zeros((1, 16, HQ, D), jnp.int32)),
+        "nonpositive_tile": dict(block_q=-8),
     }[kind]
     return dict(q=q, k=k, v=k, segment_ids=seg, positions=pos) | bad
 
@@ -499,6 +500,7 @@ MISTAKES = {
     "tiles_of_another_kernel": r"not the tiles of the .pallas_tpu_interpret. kernel: pass pallas_t",
     "segment_ids_shape": r"k and v must both be \[B,Tk,Hkv,D\] with \[B,Tk\]=\(1, 8\) from segm",
     "integer_q": r"q must be a floating-point array; got int32",
+    "nonpositive_tile": r"block_q=-8 must be a positive tile size",
 }
 
 

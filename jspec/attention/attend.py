@@ -104,9 +104,7 @@ def _attend(
     checks.check_inputs(
         q, *checked_kv, segment_ids, positions, q_segment_ids, q_positions, branch, impl, IMPLS
     )
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if size is not None and not size > 0:
-            raise ValueError(f"{name}={size!r} must be a positive tile size, or None (default).")
+    checks.check_tile_sizes(block_q=block_q, block_k=block_k)
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     if q_segment_ids is None:
         q_segment_ids, q_positions = segment_ids, positions

@@ -75,6 +75,13 @@ def check_branch_values(branch: Branch, tk: int) -> None:
         )
 
 
+def check_tile_sizes(**sizes: int | None) -> None:
+    """Each tile size (`block_q`, `block_k`) positive, or None for the default."""
+    for name, size in sizes.items():
+        if size is not None and not size > 0:
+            raise ValueError(f"{name}={size!r} must be a positive tile size, or None (default).")
+
+
 def check_inputs(q, k, v, segment_ids, positions, q_segment_ids, q_positions, branch, impl, impls):
     """Every argument of `attention` (and of the ring functions, on the arrays they are given)."""
     if impl not in impls:

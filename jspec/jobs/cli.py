@@ -42,6 +42,9 @@ def run(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = No
     return 0
 
 
+_KIND_NAMES = {int: "an integer", float: "a number"}
+
+
 def at_least(low: float, kind: type = int) -> Callable[[str], float]:
     """An argparse `type`: a finite number of `kind` (int or float) no smaller than `low`, so that
     `--steps -1` or `--learning-rate nan` is refused with the flag's name before anything runs."""
@@ -64,9 +67,6 @@ def positive(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError(f"{text} must be above 0")
     return value
-
-
-_KIND_NAMES = {int: "an integer", float: "a number"}
 
 
 def run_directory(path: pathlib.Path) -> pathlib.Path:

@@ -168,15 +168,16 @@ COMPARED = ("reward", "policy_loss", "draft_loss", "accepted_length", "agreement
 
 def loop(run_dir, cache, *extra) -> list[dict]:
     """The metrics of a `train_rl` run of LOOP and `extra` (overrides and flags) in `run_dir`,
-    finished or stopped at a limit (`--stop-after-steps N`: its exit status is EXIT_RESUME)."""
+    finished or stopped at a limit (`--stop-after-steps N`, the warm start's steps counted: its
+    exit status is EXIT_RESUME)."""
     args = [*LOOP, *extra, "--run-dir", str(run_dir), "--compilation-cache", cache, "--quiet"]
     try:
         train_rl.main(args)
     except SystemExit as stop:  # only at the limit it was given
         if stop.code != trainer.EXIT_RESUME or "--stop-after-steps" not in extra:
             raise
-    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    path = pathlib.Path(run_dir) / "metrics.jsonl"  # none while the warm start is not done
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def collective_lines(hlo: str, op: str) -> list[str]:

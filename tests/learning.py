@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOOP, loop, train_rl
+from helpers import LOOP, loop
 
 from jspec import config as config_lib
 from jspec import tokenizers
+from jspec.jobs import rl_run
 from jspec.models import create
 from jspec.rl import tasks
 from jspec.rl.packing import PackedBatch
@@ -45,7 +46,7 @@ def recorded_loop(run_dir, cache, *overrides) -> tuple[list[dict], list[Update]]
     """`loop`'s metrics and every GRPO step it took, as host arrays."""
     cfg = config_lib.load("demo", [*LOOP, *overrides])
     updates = []
-    real = train_rl.make_train_step
+    real = rl_run.make_train_step
 
     def recording(*args, objective="grpo", **kwargs):
         step = real(*args, objective=objective, **kwargs)
@@ -63,7 +64,7 @@ def recorded_loop(run_dir, cache, *overrides) -> tuple[list[dict], list[Update]]
         return run
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_rl, "make_train_step", recording)
+        patch.setattr(rl_run, "make_train_step", recording)
         rows = loop(run_dir, cache, *overrides)
     return rows, updates
 

@@ -86,7 +86,7 @@ def test_ratio_uses_the_log_probabilities_of_the_weights_that_generated_the_batc
 def test_lag_1_is_reproducible_from_its_seed_and_resumes(tmp_path, cache, lag_1):
     """A second run of the same seed draws the same steps; stopped and resumed, it refills the
     pipeline from the checkpoint (the resumed step's batch from its own weights, lag 0)."""
-    again = loop(tmp_path, cache, *LAG_1, "--stop-after-steps", "3")
+    again = loop(tmp_path, cache, *LAG_1, "--stop-after-steps", "63")  # 60 warm-start steps
     for a, b in zip(lag_1[0], again, strict=False):
         assert {k: a[k] for k in (*COMPARED, "lag")} == {k: b[k] for k in (*COMPARED, "lag")}
     resumed = loop(tmp_path, cache, *LAG_1, "--stop-after-steps", "2")

@@ -1,5 +1,5 @@
 """The cluster manifests start: their train_rl commands pass the trainer's own validation
-(`train_rl.check`) for the cluster they describe, and so does every shipped config with an RL
+(`rl_run.check`) for the cluster they describe, and so does every shipped config with an RL
 section, on the devices its mesh names."""
 
 import math
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from jspec import config as config_lib
-from jspec.jobs import train_rl
+from jspec.jobs import rl_run, train_rl
 from jspec.rl import tasks
 
 LAUNCH = pathlib.Path(__file__).resolve().parent.parent / "launch"
@@ -45,7 +45,7 @@ def test_the_manifests_commands_pass_the_trainers_validation(manifest):
     args, processes, devices = manifest()
     parsed = train_rl.parse_args(args)
     cfg = config_lib.load(parsed.config, parsed.overrides)
-    train_rl.check(cfg, parsed.draft_mode, devices, processes)
+    rl_run.check(cfg, parsed.draft_mode, devices, processes)
 
 
 def rl_configs() -> list[str]:
@@ -74,7 +74,7 @@ def test_every_shipped_rl_config_passes_the_trainers_validation(name, tmp_path):
         cfg = config_lib.load(name, [f"rl.tokenizer={bpe}", "rl.eos_token=<eos>"])
     sizes = [getattr(cfg.mesh, axis) for axis in ("data", "stage", "context", "tensor")]
     devices = 8 if -1 in sizes else math.prod(sizes)
-    train_rl.check(cfg, "cotrain", devices)
+    rl_run.check(cfg, "cotrain", devices)
 
 
 def test_a_config_naming_a_tokenizer_json_passes_and_one_without_its_end_token_is_named(tmp_path):
@@ -89,7 +89,7 @@ def test_a_config_naming_a_tokenizer_json_passes_and_one_without_its_end_token_i
     tok.save(str(tmp_path / "tokenizer.json"))
     name = f"rl.tokenizer={tmp_path / 'tokenizer.json'}"
     cfg = config_lib.load("demo", [name, "rl.eos_token=<|endoftext|>", "rollout.eos_id=null"])
-    checked, tokenizer, _ = train_rl.check(cfg, "cotrain", 8)
+    checked, tokenizer, _ = rl_run.check(cfg, "cotrain", 8)
     assert checked.rollout.eos_id == tokenizer.eos_id == tok.token_to_id("<|endoftext|>")
     with pytest.raises(config_lib.ConfigError, match=r"needs rl.eos_token, the token that ends"):
-        train_rl.check(config_lib.load("demo", [name, "rollout.eos_id=null"]), "cotrain", 8)
+        rl_run.check(config_lib.load("demo", [name, "rollout.eos_id=null"]), "cotrain", 8)

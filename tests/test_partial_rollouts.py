@@ -78,7 +78,7 @@ def test_partial_rollouts_train_whole_groups_and_resume_step_for_step(tmp_path, 
     assert any(m["carried_rows"] for m in full), "no rollout left a row running"
     assert any(m["token_lag"] > 0 for m in full), "no carried token trained a step later"
     assert all(8 <= m["trained_groups"] <= 24 for m in full), [m["trained_groups"] for m in full]
-    loop(tmp_path / "killed", cache, *SHORT, "--stop-after-steps", "2")
+    loop(tmp_path / "killed", cache, *SHORT, "--stop-after-steps", "12")  # 10 warm-start steps
     assert sorted(p.name for p in (tmp_path / "killed" / "partial").iterdir()) == ["1.pkl", "2.pkl"]
     resumed = loop(tmp_path / "killed", cache, *SHORT)
     for a, b in zip(full, resumed, strict=True):

@@ -39,7 +39,7 @@ from jspec.config import (
     RolloutConfig,
     TreeConfig,
 )
-from jspec.jobs import train_rl
+from jspec.jobs import rl_run, train_rl
 from jspec.models import create, hf, hf_block, hf_mtp
 from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Shared, create_eagle3
@@ -257,15 +257,21 @@ def test_a_block_draft_co_trains_in_the_loop(tmp_path, cache):
 def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, capsys):
     short = ("rl.steps=4", "rl.sft_steps=10")
     full = loop(tmp_path / "full", cache, *short)
-    loop(tmp_path / "killed", cache, *short, "--stop-after-steps", "3")
-    stopped = "stopped at the step limit (--stop-after-steps 3) after step 3, saved in "
+    killed = tmp_path / "killed"
+    assert loop(killed, cache, *short, "--stop-after-steps", "4") == []  # in the warm start
+    stopped = "warm start: stopped at the step limit (--stop-after-steps 4) after step 4, saved in "
     assert stopped in capsys.readouterr().err
-    ckpts = tmp_path / "killed" / "checkpoints"
+    assert (killed / "warm_start" / "checkpoints" / "4").is_dir()
+    loop(killed, cache, *short, "--stop-after-steps", "9")  # the warm start's 6 left and 3 steps
+    stopped = "stopped at the step limit (--stop-after-steps 9) after step 3, saved in "
+    assert stopped in capsys.readouterr().err
+    assert not (killed / "warm_start" / "checkpoints").exists()  # its end is step 0
+    ckpts = killed / "checkpoints"
     # Killed during the async save of step 4: a partial directory orbax never committed. And the
     # latest committed checkpoint (3) corrupt: its arrays are gone.
     shutil.copytree(ckpts / "3" / "config", ckpts / "4.orbax-checkpoint-tmp-1" / "config")
     shutil.rmtree(ckpts / "3" / "state" / "ocdbt.process_0")
-    resumed = loop(tmp_path / "killed", cache, *short)
+    resumed = loop(killed, cache, *short)
     assert "checkpoint step 3" in capsys.readouterr().err  # reported, the one before used
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(full, resumed, strict=True):
@@ -273,7 +279,7 @@ def test_kill_and_resume_equals_uninterrupted_step_for_step(tmp_path, cache, cap
 
     before = sorted(p.name for p in ckpts.iterdir())
     with pytest.raises(ConfigError, match=r"another model or draft \(model.head_dim: 8 -> 16"):
-        loop(tmp_path / "killed", cache, *short, "model.hidden_size=64", "model.head_dim=16")
+        loop(killed, cache, *short, "model.hidden_size=64", "model.head_dim=16")
     assert sorted(p.name for p in ckpts.iterdir()) == before  # nothing lost
 
 
@@ -407,7 +413,7 @@ def test_a_step_takes_the_fewest_packed_rows_that_hold_its_sequences():
     prompt and 6 new tokens): documents of 4 tokens fit 8 rows, of 8 tokens 16, full-length ones
     neither, so they take the full layout's 32."""
     cfg = config_lib.load("demo", [*LOOP, "rl.packed_rows=[16,8]"])
-    run = train_rl.Run((cfg, tokenizers.ByteTokenizer(), 10), "none")
+    run = rl_run.Run((cfg, tokenizers.ByteTokenizer(), 10), "none")
     prompts, _, responses, _, logprobs, advantages = random_rollouts(64, 10, 6, 64)
     for prompt, response, rows in [(2, 1, 8), (2, 5, 16), (10, 6, 32)]:
         lengths = np.full(64, prompt), np.full(64, response)

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from jspec import config as config_lib
 from jspec.bench import rl_experiment
 from jspec.config import ConfigError
-from jspec.jobs import train_rl, trainer
+from jspec.jobs import rl_run, train_rl, trainer
 from jspec.models import create, hf, hf_eagle3
 from jspec.models.draft import Eagle3Config, create_eagle3
 
@@ -75,8 +75,8 @@ SHORT = ("rl.steps=2", "rl.sft_steps=2")
 def last_state(run_dir, policy):
     """(Run, the TrainState of the run's latest checkpoint), as `--export` restores it."""
     args = train_rl.parse_args([*LOOP, *overrides(policy, *SHORT), "--run-dir", str(run_dir)])
-    checked = train_rl.check(config_lib.load("demo", args.overrides), "cotrain", 8)
-    run = train_rl.Run(checked, "cotrain")
+    checked = rl_run.check(config_lib.load("demo", args.overrides), "cotrain", 8)
+    run = rl_run.Run(checked, "cotrain")
     limits = trainer.Limits.from_args(args)
     with train_rl.run_loop(args, checked[0], run_dir, limits, print) as tl:
         state, _ = train_rl.start_or_resume(run, tl, print)

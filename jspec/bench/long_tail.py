@@ -31,7 +31,7 @@ import numpy as np
 
 from jspec import config as config_lib
 from jspec import hosts
-from jspec.jobs import cli, train_rl
+from jspec.jobs import cli, rl_run
 from jspec.rl import partial, tasks
 from jspec.sampler import generate
 from jspec.sampler.generation import compiled_programs
@@ -73,7 +73,7 @@ def variants(rollout: config_lib.RolloutConfig, same_length: bool, partial_rows:
     return out
 
 
-def batches(run: train_rl.Run, steps: int) -> list:
+def batches(run: rl_run.Run, steps: int) -> list:
     """The prompts and their lengths of RL steps 0..steps, placed as the sampler places them."""
     rl, out = run.rl, []
     for step in range(steps + 1):
@@ -84,7 +84,7 @@ def batches(run: train_rl.Run, steps: int) -> list:
     return out
 
 
-def time_variant(run: train_rl.Run, models, data, config, speculative: bool, rows: int) -> dict:
+def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows: int) -> dict:
     """Mean seconds and statistics of the rollouts of `data` after the first (which compiles);
     with `rows`, partial rollouts that leave at most that many rows running."""
     policy, draft = models
@@ -120,7 +120,7 @@ def time_variant(run: train_rl.Run, models, data, config, speculative: bool, row
 def main(argv=None):
     args = parse_args(argv)
     cfg = config_lib.load(args.config, args.overrides)
-    run = train_rl.Run(train_rl.check(cfg, "frozen", jax.device_count()), "frozen")
+    run = rl_run.Run(rl_run.check(cfg, "frozen", jax.device_count()), "frozen")
     models = run.networks.models(run.initial_params)
     data = batches(run, args.steps)
     timed, rows = {}, []

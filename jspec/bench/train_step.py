@@ -30,7 +30,7 @@ import numpy as np
 from jspec import config as config_lib
 from jspec import tokenizers
 from jspec.bench.policy_step import MATMUL_CEILING, model_flops
-from jspec.jobs import cli, train_rl
+from jspec.jobs import cli, rl_run
 from jspec.rl.state import init_state, trained_groups
 from jspec.rl.train import apply_gradients
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     return p.parse_intermixed_args(argv)
 
 
-def batch(run: train_rl.Run, prompt_len: int, mean_response: float, seed: int = 0):
+def batch(run: rl_run.Run, prompt_len: int, mean_response: float, seed: int = 0):
     """A packed batch of the run's shapes: rl.batch random sequences, packed as train_rl packs
     them (in the fewest of rl.packed_rows rows that hold them)."""
     rl, new = run.rl, run.cfg.rollout.max_new_tokens
@@ -86,7 +86,7 @@ def optimizer_update(tx, trained):
 def time_step(cfg, mode: str, args) -> dict:
     """One train step of `mode` ('none', 'frozen', 'cotrain'): median seconds of the step and of
     its optimizer update alone, the batch's rows and the policy's model FLOPs over it."""
-    run = train_rl.Run((cfg, tokenizers.ByteTokenizer(), args.prompt_len), mode)
+    run = rl_run.Run((cfg, tokenizers.ByteTokenizer(), args.prompt_len), mode)
     trained = trained_groups(mode, run.networks.draft is not None)
     tx, step = run.step_fn("grpo", trained, cfg.rl.learning_rate, cfg.rl.batch)
     state = init_state(run.networks, run.initial_params, tx, trained, seed=0, reference=False)

@@ -4,8 +4,9 @@
     python -m jspec.jobs.demo --config tiny model.num_layers=12 rollout.max_new_tokens=64
     python -m jspec.jobs.demo --checkpoint /path/to/hf/qwen3   # a Hugging Face checkpoint
 
-Both runs are one jitted program each (`jspec.sampler.generate`): plain decoding, then speculative
-decoding with the draft and tree of the config's `rollout` section. With greedy decoding the two
+Both runs are one jitted program each (`jspec.sampler.generate`) on one device (the config's mesh
+section is train_rl's): plain decoding, then speculative decoding with the draft and tree of the
+config's `rollout` section. With greedy decoding the two
 must agree token for token, and the plain tokens must be the argmax of one training forward over
 prompt + generation: the cache path, the verify path and the training path agree.
 """

@@ -5,7 +5,9 @@ attention kernels, run inside its stages. Needs jax's
 CUDA plugin (`pip install -e '.[gpu]'`, there on the GPU machines); without it the tests skip
 and say so."""
 
+import collections
 import functools
+import json
 import re
 
 import jax
@@ -69,7 +71,20 @@ def test_the_census_prints_its_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert printed.startswith("tiny, batch 1, plain decoding, for h200:\n")
     assert "a layer:" in printed and "writes of 1,048,576 elements or more: none" in printed
+    assert "by part: target_forward " in printed
     assert out.exists()
+
+
+def test_the_census_counts_each_part_of_a_speculative_step(capsys, tmp_path):
+    """The draft's tree, the target's forward, verification, the caches' advance and the draft's
+    extension each launch kernels of their own, and together nearly all of the step's."""
+    argv = ["--config", "demo", "--prompt", "48", "--new", "16", "--draft"]  # a sampled chain
+    kernel_census.main([*argv, "--out", str(tmp_path / "c.json")])
+    kernels = [kernel_census.Kernel(**k) for k in json.loads((tmp_path / "c.json").read_text())]
+    parts = collections.Counter(kernel_census.part(k) for k in kernels)
+    assert all(parts[p] for p in kernel_census.PARTS), parts
+    assert parts["other"] < 0.25 * len(kernels), parts
+    assert "by part: draft_tree " in capsys.readouterr().out
 
 
 def test_a_pipeline_runs_the_attention_kernels_inside_its_stages():

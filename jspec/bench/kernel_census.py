@@ -1,7 +1,9 @@
 """The kernels of a rollout's loop as XLA's GPU compiler makes them, on a machine with no GPU: the
 planner's rollout program (`jspec.jobs.plan`) compiled for a GPU from its description
-(`--gpu-target`, jax's CUDA plugin), each loop body's kernels counted by kind, and those that
-write an array as large as a weight listed. A decode step of a small model at small batch is
+(`--gpu-target`, jax's CUDA plugin), each loop body's kernels counted by kind and by part of the
+step (the draft's tree, the target's forward, verification, the caches' advance, the draft's
+extension: named scopes of `jspec.sampler.generation`), and those that write an array as large as a
+weight listed. A decode step of a small model at small batch is
 bound by its launches and by any weight it reads twice, which is what this shows before a
 profile on the GPU (`jspec.bench.rollout --profile`) times them. No kernel is autotuned here.
 
@@ -92,11 +94,23 @@ def compile_rollout(args) -> tuple[object, config_lib.Config]:
     return compiled, cfg
 
 
+# The parts of a decode step (named scopes of `jspec.sampler.generation`), in the order it runs.
+PARTS = ("draft_tree", "target_forward", "verify", "cache_advance", "draft_extend")
+
+
+def part(kernel: Kernel) -> str:
+    """The part of the step a kernel belongs to ('other': the step's own bookkeeping)."""
+    return next((p for p in PARTS if kernel.jax_op.startswith(p + "/")), "other")
+
+
 def table(kernels: list[Kernel], layers: int) -> str:
-    """Kernels by what they compute (per step and per layer), then the large writes."""
+    """Kernels by what they compute (per step and per layer), by part of the step, then the large
+    writes."""
     kinds = collections.Counter((k.op, k.name) for k in kernels)
     lines = [f"{len(kernels)} kernels a step, {len(kernels) / layers:.1f} a layer:"]
     lines += [f"  {n:5d}  {op:12s} {name}" for (op, name), n in kinds.most_common()]
+    parts = collections.Counter(part(k) for k in kernels)
+    lines.append("by part: " + ", ".join(f"{p} {parts[p]}" for p in (*PARTS, "other") if parts[p]))
     large = collections.Counter((k.elements, k.jax_op) for k in kernels if k.elements >= LARGE)
     lines.append(f"writes of {LARGE:,} elements or more: {'none' if not large else ''}")
     lines += [f"  {n:5d}  {size:,} elements, {op}" for (size, op), n in large.most_common()]

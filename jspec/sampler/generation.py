@@ -463,14 +463,16 @@ def _place(s: _Loop, config: RolloutConfig, row, prompt, new: _Rows, logprob, bu
 
 def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _Loop) -> _Loop:
     """Draft a tree, verify it in one target forward, emit, and advance both caches (statistics
-    of stage `stage`)."""
-    b, m = s.done.shape[0], s.tokens.shape[1]
-    root = s.rows.root
+    of stage `stage`); the parts are named scopes (op_name), which profiles and censuses count."""
+    b, m, root = s.done.shape[0], s.tokens.shape[1], s.rows.root
     key, tree_key, verify_key = jax.random.split(s.key, 3)
-    tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
-    logits, features, advance = _target_forward(target, draft, tree, s, config)
+    with jax.named_scope("draft_tree"):
+        tree = draft_tree(draft, shared, s.rows.draft, root, tree_key, config)
+    with jax.named_scope("target_forward"):
+        logits, features, advance = _target_forward(target, draft, tree, s, config)
     sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
-    verdict = tree.verify(verify_key, logits, **sampling)
+    with jax.named_scope("verify"):
+        verdict = tree.verify(verify_key, logits, **sampling)
     # An accepted path is no longer than the tree is deep: of N + 1 columns, the first 1 + depth.
     width = 1 + tree_depth(config.tree, draft)
     emitted = emitted_tokens(tree.tokens, verdict)[:, :width]
@@ -490,11 +492,13 @@ def _verify_step(target, draft, shared, config: RolloutConfig, stage: int, s: _L
     emitted_eos = jnp.any(_stops(emitted, config) & (j < count[:, None]), axis=1)
 
     pick = lambda x: jnp.take_along_axis(x, source.reshape(1, b, -1, *([1] * (x.ndim - 3))), 2)
-    cache, draft_out = advance(pick, count), s.rows.draft
+    with jax.named_scope("cache_advance"):
+        cache, draft_out = advance(pick, count), s.rows.draft
     if draft is not None:
         features = None if features is None else pick(features)
         cache_d, kernels = draft_out.cache, config.kernels
-        new = draft.extend(shared, emitted, features, count, cache_d, kernels=kernels)
+        with jax.named_scope("draft_extend"):
+            new = draft.extend(shared, emitted, features, count, cache_d, kernels=kernels)
         keep = (count > 0)[:, None]
         draft_out = DraftOut(
             jnp.where(keep, new.logits, draft_out.logits),

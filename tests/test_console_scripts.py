@@ -4,8 +4,9 @@ session's XLA flags (tests/conftest.py put them in os.environ; the process inher
 other tests call the jobs' `main` (or `python -m`); only here do the entry points of pyproject.toml,
 `jspec.jobs.cli.run` and the exit statuses a shell or a cluster's scheduler sees get run.
 
-A tiny run that does real work exits 0 with no traceback, and a bad argument (an unknown flag, or
-a config value `jspec.jobs.cli.run` turns into `error: ...`) exits 2 with no traceback. The
+A tiny run that does real work exits 0 with no traceback, and a bad argument (an unknown flag, a
+number out of its flag's range, or a config value `jspec.jobs.cli.run` turns into `error: ...`)
+exits 2 with no traceback. The
 scripts are read from the distribution's metadata, so a new one fails here until ARGS has a line
 for it. `jspec-check-gpu-attention` cannot succeed without a GPU: here it must refuse with its
 one-line explanation and no traceback, and its `--help` must exit 0.
@@ -53,11 +54,11 @@ ARGS = {
     "jspec-bench-attention": (
         "--device cpu --cp 2 --methods ring --seq 1024 --mean-doc 1024 --heads 2 --kv-heads 1 "
         "--head-dim 8 --iters 1 --json attention.json",
-        "--no-such-flag",
+        "--iters 0",
     ),
     "jspec-bench-moe": (
         "--device cpu --ep 1 --batch 1 --seq 8 --decode-batch 2 --iters 1 --json moe.json",
-        "--no-such-flag",
+        "--ep 0",
     ),
     "jspec-bench-rollout": (
         "--device cpu --config tiny model.num_layers=1 --batches 1 --prompt-len 8 "
@@ -68,18 +69,18 @@ ARGS = {
     "jspec-bench-pipeline": (
         "--device cpu --set model.num_layers=2 --batch 2 --seq 8 --stages 2 --microbatches 2 "
         "--repeats 1 --iters 1 --json pipeline.json",
-        "--no-such-flag",
+        "--stages 0",
     ),
     "jspec-bench-async-rl": (  # on two devices (DEVICES): one RL step, no warm start
         "--small --steps 1 --skip 0 --drafts none --modes sync rollout.max_new_tokens=4 "
         "rl.task.name=sorting rl.task.difficulty=1 rl.prompts=2 rl.group_size=2 "
         "rl.sequences_per_row=2 rl.loss_chunk=16 rl.sft_steps=0 --out async.json",
-        "--no-such-flag",
+        "--steps 0",
     ),
     "jspec-bench-decode-kernel": (
         "--device cpu --batches 1 --queries 1 --slots 16 --heads 2 --kv-heads 1 --head-dim 16 "
         "--block-k 16 --num-warps 4 --num-stages 2 --target-programs 1 --iters 1 --out dk.json",
-        "--no-such-flag",
+        "--batches 0",
     ),
     "jspec-train-code-lm": (
         "--config tiny model.vocab_size=512 model.num_layers=3 --roots {src} --max-bytes 200000 "
@@ -87,7 +88,7 @@ ARGS = {
         "--seq-len 32 --eval-batches 1 --save-minutes 1000 --run-dir code",
         "--config tiny --batch 3 --data-parallel 2 --run-dir code",
     ),
-    "jspec-check-gpu-attention": ("--no-sweep", "--no-such-flag"),  # refuses: GPU_ONLY
+    "jspec-check-gpu-attention": ("--no-sweep", "--budget 0"),  # refuses: GPU_ONLY
 }
 DEVICES = {"jspec-bench-async-rl": 2}  # virtual CPU devices where not the session's 8
 GPU_ONLY = {"jspec-check-gpu-attention": "needs an NVIDIA GPU"}  # its refusal on the CPU

@@ -68,8 +68,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. rl.prompts=16")
     p.add_argument("--small", action="store_true", help="the test-size model instead of 1.2B")
-    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
-    p.add_argument("--skip", type=int, default=2, help="first steps left out (compilation)")
+    p.add_argument("--steps", type=cli.at_least(1), default=8, help="RL steps per run")
+    p.add_argument(
+        "--skip", type=cli.at_least(0), default=2, help="first steps left out (compilation)"
+    )
     p.add_argument("--drafts", default="cotrain,none", help="comma-separated --draft-mode modes")
     p.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES)

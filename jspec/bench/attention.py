@@ -36,23 +36,35 @@ ALIGN = 2 * 8 * 64
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--cp", type=int, nargs="+", default=None, help="ring sizes (default 1 2 4 8)")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per row (--scaling weak: per GPU)")
+    p.add_argument(
+        "--cp", type=cli.at_least(1), nargs="+", default=None, help="ring sizes (default 1 2 4 8)"
+    )
+    p.add_argument(
+        "--seq", type=cli.at_least(1), default=4096, help="tokens per row (--scaling weak: per GPU)"
+    )
     p.add_argument("--scaling", choices=("weak", "strong"), default=None, help="a scaling series")
-    p.add_argument("--mean-doc", type=int, default=16384, help="mean document length (tokens)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=None, help="tile size (default: the library's)")
-    p.add_argument("--branch-steps", type=int, default=0, help="TTT step of the branch (0: none)")
+    p.add_argument(
+        "--mean-doc", type=cli.at_least(1), default=16384, help="mean document length (tokens)"
+    )
+    p.add_argument("--batch", type=cli.at_least(1), default=1)
+    p.add_argument("--heads", type=cli.at_least(1), default=8)
+    p.add_argument("--kv-heads", type=cli.at_least(1), default=2)
+    p.add_argument("--head-dim", type=cli.at_least(1), default=64)
+    p.add_argument(
+        "--block", type=cli.at_least(1), default=None, help="tile size (default: the library's)"
+    )
+    p.add_argument(
+        "--branch-steps", type=cli.at_least(0), default=0, help="TTT step of the branch (0: none)"
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--layers", type=int, nargs="+", default=[1], help="stack depths to measure")
+    p.add_argument(
+        "--layers", type=cli.at_least(1), nargs="+", default=[1], help="stack depths to measure"
+    )
     p.add_argument(
         "--methods", nargs="+", choices=("ring", "allgather"), default=["ring", "allgather"]
     )
     p.add_argument("--impl", default="auto", help="local kernel: auto | xla | pallas")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=cli.at_least(1), default=3)
     p.add_argument("--json", default="bench_attention.json")
     return p.parse_args(argv)
 

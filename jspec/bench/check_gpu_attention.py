@@ -58,15 +58,22 @@ SWEEP = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--seq", type=cli.at_least(1), default=32768)
+    p.add_argument("--heads", type=cli.at_least(1), default=32)
+    p.add_argument("--kv-heads", type=cli.at_least(1), default=8)
+    p.add_argument("--head-dim", type=cli.at_least(1), default=128)
+    p.add_argument("--iters", type=cli.at_least(1), default=5)
     p.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA block path")
-    p.add_argument("--budget", type=float, default=330.0, help="seconds; later steps are skipped")
-    p.add_argument("--reserve", type=float, default=100.0, help="seconds the sweep leaves over")
+    p.add_argument(
+        "--budget", type=cli.positive, default=330.0, help="seconds; later steps are skipped"
+    )
+    p.add_argument(
+        "--reserve",
+        type=cli.at_least(0, float),
+        default=100.0,
+        help="seconds the sweep leaves over",
+    )
     p.add_argument("--json", default=None, help="default: $OUT/check_gpu_attention.json")
     return p.parse_args(argv)
 

@@ -35,17 +35,21 @@ from jspec.jobs import cli
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--queries", type=int, nargs="+", default=[1, 9], help="query rows per row")
-    p.add_argument("--slots", type=int, default=576, help="cache slots per row, all filled")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--num-stages", type=int, nargs="+", default=[2, 3])
-    p.add_argument("--target-programs", type=int, nargs="+", default=[264, 1056])
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--batches", type=cli.at_least(1), nargs="+", default=[1, 16, 64, 256])
+    p.add_argument(
+        "--queries", type=cli.at_least(1), nargs="+", default=[1, 9], help="query rows per row"
+    )
+    p.add_argument(
+        "--slots", type=cli.at_least(1), default=576, help="cache slots per row, all filled"
+    )
+    p.add_argument("--heads", type=cli.at_least(1), default=32)
+    p.add_argument("--kv-heads", type=cli.at_least(1), default=8)
+    p.add_argument("--head-dim", type=cli.at_least(1), default=128)
+    p.add_argument("--block-k", type=cli.at_least(1), nargs="+", default=[64, 128])
+    p.add_argument("--num-warps", type=cli.at_least(1), nargs="+", default=[4, 8])
+    p.add_argument("--num-stages", type=cli.at_least(1), nargs="+", default=[2, 3])
+    p.add_argument("--target-programs", type=cli.at_least(1), nargs="+", default=[264, 1056])
+    p.add_argument("--iters", type=cli.at_least(1), default=3)
     p.add_argument("--out", default="bench_decode_kernel.json")
     return p.parse_args(argv)
 

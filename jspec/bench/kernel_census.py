@@ -121,9 +121,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
-    p.add_argument("--batch", type=int, default=1, help="rows decoded together")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    p.add_argument("--new", type=int, default=64, help="new tokens (the cache's length)")
+    p.add_argument("--batch", type=cli.at_least(1), default=1, help="rows decoded together")
+    p.add_argument("--prompt", type=cli.at_least(1), default=512, help="prompt tokens")
+    p.add_argument(
+        "--new", type=cli.at_least(1), default=64, help="new tokens (the cache's length)"
+    )
     p.add_argument("--draft", action="store_true", help="speculative: the config's draft and tree")
     p.add_argument("--gpu-target", default="h200", help="the GPU description (as the planner's)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_kernel_census.json"))

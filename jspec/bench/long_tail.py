@@ -41,9 +41,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted config overrides (rollout.buckets too)")
     p.add_argument("--config", default="code-rl")
-    p.add_argument("--steps", type=int, default=3, help="RL steps' batches timed per variant")
+    p.add_argument(
+        "--steps", type=cli.at_least(1), default=3, help="RL steps' batches timed per variant"
+    )
     p.add_argument("--same-length", action="store_true", help="also every row at the length cap")
-    p.add_argument("--partial-rows", type=int, default=0, help="also partial rollouts of K rows")
+    p.add_argument(
+        "--partial-rows", type=cli.at_least(0), default=0, help="also partial rollouts of K rows"
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_long_tail.json"))
     return p.parse_intermixed_args(argv)
 

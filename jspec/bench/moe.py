@@ -40,17 +40,21 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--config", default=None, help="model config (default: see above)")
     p.add_argument("--set", nargs="*", default=None, help="dotted overrides, model.x=y")
-    p.add_argument("--batch", type=int, default=None, help="train rows per device")
-    p.add_argument("--seq", type=int, default=None, help="train tokens per row")
-    p.add_argument("--decode-batch", type=int, default=None, help="decode rows per device")
-    p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel sizes")
+    p.add_argument("--batch", type=cli.at_least(1), default=None, help="train rows per device")
+    p.add_argument("--seq", type=cli.at_least(1), default=None, help="train tokens per row")
     p.add_argument(
-        "--peak-tflops", type=float, default=801.0, help="H200 bf16 matmul (docs/gpu.md)"
+        "--decode-batch", type=cli.at_least(1), default=None, help="decode rows per device"
     )
     p.add_argument(
-        "--peak-bytes", type=float, default=4.1e12, help="H200 copy bandwidth (docs/gpu.md)"
+        "--ep", type=cli.at_least(1), nargs="+", default=[1, 2], help="expert-parallel sizes"
     )
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--peak-tflops", type=cli.positive, default=801.0, help="H200 bf16 matmul (docs/gpu.md)"
+    )
+    p.add_argument(
+        "--peak-bytes", type=cli.positive, default=4.1e12, help="H200 copy bandwidth (docs/gpu.md)"
+    )
+    p.add_argument("--iters", type=cli.at_least(1), default=5)
     p.add_argument("--json", default="bench_moe.json")
     args = p.parse_args(argv)
     gpu = args.device == "gpu"

@@ -42,11 +42,13 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--config", default="code-1b")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens a row")
-    p.add_argument("--documents", type=int, default=4, help="equal documents packed in a row")
-    p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--ceiling", type=float, default=MATMUL_CEILING, help="matmul FLOP/s")
+    p.add_argument("--tokens", type=cli.at_least(1), nargs="+", default=[8192], help="tokens a row")
+    p.add_argument(
+        "--documents", type=cli.at_least(1), default=4, help="equal documents packed in a row"
+    )
+    p.add_argument("--rows", type=cli.at_least(1), default=1)
+    p.add_argument("--iters", type=cli.at_least(1), default=5)
+    p.add_argument("--ceiling", type=cli.positive, default=MATMUL_CEILING, help="matmul FLOP/s")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_policy_step.json"))
     args = p.parse_intermixed_args(argv)
     for t in args.tokens:

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="of the RL runs")
     p.add_argument("--warm-seed", type=int, default=0, help="of the one warm start")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--stop-after", type=float, default=None, metavar="MINUTES")
+    p.add_argument("--stop-after", type=cli.at_least(0, float), default=None, metavar="MINUTES")
     p.add_argument("--compilation-cache", default=None, help="train_rl's (default: its own)")
     return p.parse_intermixed_args(argv)
 

@@ -67,10 +67,10 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--config", default="qwen3-8b")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--tree-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--batches", type=cli.at_least(1), nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--prompt-len", type=cli.at_least(1), default=512)
+    p.add_argument("--new-tokens", type=cli.at_least(1), default=64)
+    p.add_argument("--tree-sizes", type=cli.at_least(1), nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--no-spec", action="store_true", help="skip the speculative steps")
     p.add_argument(
         "--trees",
@@ -83,7 +83,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--draft-vocab",
-        type=int,
+        type=cli.at_least(1),
         default=32000,
         help="EAGLE-3 draft vocabulary (at most the target's)",
     )
@@ -99,27 +99,31 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--prompts-per-row",
-        type=int,
+        type=cli.at_least(1),
         default=4,
         help="prompts the loops of generate run per row (continuous batching: a row that finishes "
         "takes the next prompt), so that rows done early do not idle until the batch is done",
     )
     p.add_argument(
         "--acceptance-rows",
-        type=int,
+        type=cli.at_least(1),
         default=16,
         help="at least this many prompts at every batch size (batch 1 runs them one after "
         "another), so that batch 1 does not measure one prompt's acceptance",
     )
     p.add_argument(
         "--compile-threads",
-        type=int,
+        type=cli.at_least(1),
         default=4,
         help="programs compiled at once before a batch is timed (compiled, not run: the memory "
         "of the host's compiler threads is the limit)",
     )
-    p.add_argument("--iters", type=int, default=3, help="timed repeats (the best is kept)")
-    p.add_argument("--bandwidth", type=float, help="copy bytes/s of the device (default: measured)")
+    p.add_argument(
+        "--iters", type=cli.at_least(1), default=3, help="timed repeats (the best is kept)"
+    )
+    p.add_argument(
+        "--bandwidth", type=cli.positive, help="copy bytes/s of the device (default: measured)"
+    )
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -148,7 +152,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --trained: which of the run's drafts (default: its latest run's kind)",
     )
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=cli.at_least(0, float), default=0.0)
     p.add_argument(
         "--check-greedy",
         action="store_true",

@@ -67,6 +67,8 @@ from jspec.sampler import Rollout
 from jspec.sampler.generation import compiled_programs, decode_rows, row_shards, stages
 
 EXPORT = "export"  # RUN_DIR/export/: the policy and draft in the layouts serving engines load
+# The warm start's steps are many and short: saved by the clock (and at a limit), not by count.
+WARM_START_SAVE_MINUTES = 5.0
 
 
 def parse_args(argv=None):
@@ -89,8 +91,8 @@ def parse_args(argv=None):
 
 def warm_start(run: Run, loop: trainer.TrainLoop, log) -> dict:
     """Supervised steps on the task's worked answers; the draft learns the policy's features.
-    `loop` (RUN_DIR/warm_start) saves them every rl.save_every steps and at a limit, and a rerun
-    resumes from its newest checkpoint: batch i is the same in every run."""
+    `loop` (RUN_DIR/warm_start) saves them every few minutes and at a limit, and a rerun resumes
+    from its newest checkpoint: batch i is the same in every run."""
     rl, cfg = run.rl, run.cfg
     trained = trained_groups("cotrain", run.networks.draft is not None)
     tx, step = run.step_fn("sft", trained, rl.sft_learning_rate, rl.sft_batch)
@@ -372,14 +374,13 @@ def warm_loop(loop: trainer.TrainLoop) -> trainer.TrainLoop:
     """The warm start's checkpoints and metrics in RUN_DIR/warm_start: the run's config checked
     against theirs, its limits counting the warm start's steps."""
     config = loop.checkpoints.config
-    rl = config["rl"]
     return trainer.TrainLoop(
         loop.directory / "warm_start",
         config,
-        total=rl["sft_steps"],
+        total=config["rl"]["sft_steps"],
         limits=loop.limits,
         keep=1,
-        save_every=rl["save_every"],
+        save_minutes=WARM_START_SAVE_MINUTES,
         save_last=False,  # the RL loop saves its end as step 0
         allow_changes=loop.checkpoints.allow_changes,
         log=loop.checkpoints.log,

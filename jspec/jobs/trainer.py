@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from jspec import hosts
 from jspec.config import ConfigError
+from jspec.jobs import cli
 from jspec.rl.checkpoints import SAFE_TO_CHANGE, SHAPED_BY, Checkpoints
 
 EXIT_RESUME = 75  # the exit status of a run stopped at a limit (EX_TEMPFAIL: run it again)
@@ -60,14 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The training jobs' flags of limits and resumes (the module's docstring)."""
     parser.add_argument(
         "--stop-after",
-        type=_at_least(float, 0),
+        type=cli.at_least(0, float),
         metavar="MINUTES",
         help="a time limit: once this many minutes have passed, the loop in training saves its "
         f"step and the run exits with status {EXIT_RESUME}; the same command resumes it",
     )
     parser.add_argument(
         "--stop-after-steps",
-        type=_at_least(int, 1),
+        type=cli.at_least(1),
         metavar="N",
         help=f"stop after N train steps of this run, saved, with status {EXIT_RESUME}; the same "
         "command resumes it",
@@ -78,17 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="resume although the config differs from the checkpoint's in a field that changes "
         "what the run computes (seed, learning rates, ...); the fields are listed",
     )
-
-
-def _at_least(kind, low):
-    def parse(text: str):
-        value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its message
-    return parse
 
 
 def agreed(flag: bool) -> bool:

@@ -64,13 +64,14 @@ from jspec.sampler.tree_choice import StepCosts, choose_tree
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    count = cli.at_least(1)
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     p.add_argument("--config", default="qwen3-8b")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--batches", type=cli.at_least(1), nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--prompt-len", type=cli.at_least(1), default=512)
-    p.add_argument("--new-tokens", type=cli.at_least(1), default=64)
-    p.add_argument("--tree-sizes", type=cli.at_least(1), nargs="*", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--batches", type=count, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--prompt-len", type=count, default=512)
+    p.add_argument("--new-tokens", type=count, default=64)
+    p.add_argument("--tree-sizes", type=count, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--no-spec", action="store_true", help="skip the speculative steps")
     p.add_argument(
         "--trees",
@@ -82,10 +83,7 @@ def parse_args(argv=None):
         f"{DEFAULT_TREES[True]} above T=0, {DEFAULT_TREES[False]} at 0",
     )
     p.add_argument(
-        "--draft-vocab",
-        type=cli.at_least(1),
-        default=32000,
-        help="EAGLE-3 draft vocabulary (at most the target's)",
+        "--draft-vocab", type=count, default=32000, help="the random EAGLE-3 draft's vocabulary"
     )
     p.add_argument(
         "--compare",
@@ -99,31 +97,27 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--prompts-per-row",
-        type=cli.at_least(1),
+        type=count,
         default=4,
         help="prompts the loops of generate run per row (continuous batching: a row that finishes "
         "takes the next prompt), so that rows done early do not idle until the batch is done",
     )
     p.add_argument(
         "--acceptance-rows",
-        type=cli.at_least(1),
+        type=count,
         default=16,
         help="at least this many prompts at every batch size (batch 1 runs them one after "
         "another), so that batch 1 does not measure one prompt's acceptance",
     )
     p.add_argument(
         "--compile-threads",
-        type=cli.at_least(1),
+        type=count,
         default=4,
         help="programs compiled at once before a batch is timed (compiled, not run: the memory "
         "of the host's compiler threads is the limit)",
     )
-    p.add_argument(
-        "--iters", type=cli.at_least(1), default=3, help="timed repeats (the best is kept)"
-    )
-    p.add_argument(
-        "--bandwidth", type=cli.positive, help="copy bytes/s of the device (default: measured)"
-    )
+    p.add_argument("--iters", type=count, default=3, help="timed repeats (the best is kept)")
+    p.add_argument("--bandwidth", type=cli.positive, help="device copy bytes/s (default: measured)")
     p.add_argument(
         "--profile",
         metavar="DIR",

@@ -3,9 +3,9 @@ planner's rollout program (`jspec.jobs.plan`) compiled for a GPU from its descri
 (`--gpu-target`, jax's CUDA plugin), each loop body's kernels counted by kind and by part of the
 step (the draft's tree, the target's forward, verification, the caches' advance, the draft's
 extension: named scopes of `jspec.sampler.generation`), and those that write an array as large as a
-weight listed. A decode step of a small model at small batch is
-bound by its launches and by any weight it reads twice, which is what this shows before a
-profile on the GPU (`jspec.bench.rollout --profile`) times them. No kernel is autotuned here.
+weight listed. A decode step of a small model at small batch is bound by its launches and by any
+weight it reads twice, which is what this shows before a profile on the GPU (`jspec.bench.rollout
+--profile`) times them. No kernel is autotuned here.
 
     python -m jspec.bench.kernel_census --config code-1b --batch 1            # plain decoding
     python -m jspec.bench.kernel_census --config code-rl --batch 128 --draft  # the RL rollout
@@ -99,7 +99,8 @@ PARTS = ("draft_tree", "target_forward", "verify", "cache_advance", "draft_exten
 
 
 def part(kernel: Kernel) -> str:
-    """The part of the step a kernel belongs to ('other': the step's own bookkeeping)."""
+    """The part of the step a kernel belongs to ('other': the step's own bookkeeping, and kernels
+    XLA left without an op_name, such as some custom calls)."""
     return next((p for p in PARTS if kernel.jax_op.startswith(p + "/")), "other")
 
 

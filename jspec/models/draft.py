@@ -333,16 +333,18 @@ class Eagle3Draft(OneLayerDraft):
             h_BT2D, w_qkv, w(self.wo), cos_sin, attend, eps=c.rms_norm_eps
         )
         x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
-        h_BTD = layers.rms_norm(x_BTD, self.mlp_norm[...], c.rms_norm_eps)
+        h_BTD, scale = layers.normed_input(x_BTD, self.mlp_norm, c.rms_norm_eps)
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
-        x_BTD = x_BTD + layers.swiglu(h_BTD, w_in, w(self.w_down))
+        x_BTD = x_BTD + layers.swiglu(h_BTD, w_in, w(self.w_down), scale)
         return x_BTD, kv
 
     def draft_logits(self, hidden_BTD, shared: Shared | None = None) -> Float[Array, "b t vd"]:
         """Logits over the draft vocabulary (float32), by the draft's own head (`shared` unused)."""
-        x = layers.rms_norm(hidden_BTD, self.final_norm[...], self.config.layer.rms_norm_eps)
+        x, scale = layers.normed_input(hidden_BTD, self.final_norm, self.config.layer.rms_norm_eps)
         w = self.lm_head[...].astype(x.dtype)
-        return jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32)
+        return layers.scaled(
+            jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32), scale
+        )
 
     def check_target(self, target: ModelConfig) -> None:
         check_eagle3_config(self.config, target)
@@ -381,11 +383,16 @@ class Eagle3Draft(OneLayerDraft):
     def for_rollout(self) -> Eagle3Draft:
         """A copy of this draft for a loop of rollout steps: its input products fused as the
         target's are (`fuse_products`: two products instead of five, each step drafts one to a
-        few times), its weights cast to the compute dtype once (`rollout_weights`), and, when it
-        drafts the whole target vocabulary, its head in target order (`target_order`)."""
+        few times), the norms before gate/up and before the head folded into them (as the
+        target's are: `fold_input_norms`), its weights cast to the compute dtype once
+        (`rollout_weights`), and, when it drafts the whole target vocabulary, its head in target
+        order (`target_order`)."""
         constrain = lambda x, names: mesh_lib.constrain(x, self.mesh, names)
+        # q/k/v read two inputs, normed apart, so their norms stay where they are
+        draft = layers.fold_input_norms(nnx.merge(*nnx.split(self)), attention=False)
+        layers.fold_norm(draft, "final_norm", ("lm_head",), axis=1)
         # q/k/v read [embedding, hidden state] (2D), which the mesh does not split
-        draft = layers.fuse_products(nnx.merge(*nnx.split(self)), constrain, input_axis=None)
+        draft = layers.fuse_products(draft, constrain, input_axis=None)
         graphdef, state = nnx.split(draft)
         draft = nnx.merge(graphdef, layers.rollout_weights(state, self._dtype))
         if self.config.draft_vocab_size == self.config.layer.vocab_size:

@@ -200,22 +200,39 @@ def swiglu(h_BTD, w_in, w_down, input_scale=None):
     return jnp.einsum(down, jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
-def fold_input_norms(layer, *, mlp: bool = True):
+def fold_input_norms(layer, *, attention: bool = True, mlp: bool = True):
     """`layer` (a decoder layer's copy, changed in place, before `fuse_products`) with its input
-    norms' weights folded into the products they feed, q/k/v and, with `mlp`, gate/up:
-    RMSNorm(x, w) @ W = (x @ diag(w) W) / RMS(x). A rollout step then scales the products'
-    outputs by 1 / RMS(x) (`inverse_rms`, fused into the kernels after them) instead of writing a
-    normalised copy of x before them: one kernel less a norm. The folded norms become None
-    (`Block.__call__` then passes the scale)."""
-    norm = layer.attn_norm[...][:, None, None]
-    for name in ("wq", "wk", "wv"):
-        setattr(layer, name, nnx.Param(getattr(layer, name)[...] * norm))
-    layer.attn_norm = None
+    norms' weights folded into the products they feed, with `attention` q/k/v, with `mlp`
+    gate/up: RMSNorm(x, w) @ W = (x @ diag(w) W) / RMS(x). A rollout step then scales the
+    products' outputs by 1 / RMS(x) (`inverse_rms`, fused into the kernels after them) instead of
+    writing a normalised copy of x before them: one kernel less a norm. The folded norms become
+    None (`normed_input` then gives the scale)."""
+    if attention:
+        fold_norm(layer, "attn_norm", ("wq", "wk", "wv"))
     if mlp:
-        norm = layer.mlp_norm[...][:, None]
-        layer.w_gate, layer.w_up = (nnx.Param(w[...] * norm) for w in (layer.w_gate, layer.w_up))
-        layer.mlp_norm = None
+        fold_norm(layer, "mlp_norm", ("w_gate", "w_up"))
     return layer
+
+
+def fold_norm(module, norm: str, products: tuple[str, ...], axis: int = 0):
+    """`module`'s RMSNorm weight `norm` folded into the weights `products` it feeds, along their
+    input axis `axis`; the norm becomes None (`fold_input_norms`)."""
+    w = getattr(module, norm)[...]
+    for name in products:
+        weight = getattr(module, name)[...]
+        shape = [1] * weight.ndim
+        shape[axis] = -1
+        setattr(module, name, nnx.Param(weight * w.reshape(shape)))
+    setattr(module, norm, None)
+
+
+def normed_input(x_BTD, norm, eps: float):
+    """A sublayer's input and the scale of the products it feeds: RMSNorm(x) and None, or, where
+    the norm is folded into the products (`fold_input_norms`: `norm` None), x itself and
+    1 / RMS(x)."""
+    if norm is None:
+        return x_BTD, inverse_rms(x_BTD, eps)
+    return rms_norm(x_BTD, norm[...], eps), None
 
 
 def rollout_weights(weights, dtype):

@@ -47,7 +47,7 @@ from jspec.models.layers import (
     fold_input_norms,
     fuse_products,
     init_param,
-    inverse_rms,
+    normed_input,
     remat_layer,
     rms_norm,
     rollout_weights,
@@ -166,27 +166,19 @@ class Block(nnx.Module):
         c = self.config
         w = lambda p: None if p is None else p[...].astype(jnp.dtype(c.dtype))
         fused = self.w_qkv is not None
-        h_BTD, scale = self._input(x_BTD, self.attn_norm)
+        h_BTD, scale = normed_input(x_BTD, self.attn_norm, c.rms_norm_eps)
         w_qkv = w(self.w_qkv) if fused else (w(self.wq), w(self.wk), w(self.wv))
         norms = dict(q_norm=w(self.q_norm), k_norm=w(self.k_norm), eps=c.rms_norm_eps)
         o_BTD, kv = attention_sublayer(
             h_BTD, w_qkv, w(self.wo), cos_sin, attend, input_scale=scale, **norms
         )
         x_BTD = x_BTD + o_BTD
-        h_BTD, scale = self._input(x_BTD, self.mlp_norm)
+        h_BTD, scale = normed_input(x_BTD, self.mlp_norm, c.rms_norm_eps)
         if self.moe is not None:
             y_BTD, stats = self.moe(h_BTD, valid_BT, act)
             return x_BTD + y_BTD, kv, stats
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
         return x_BTD + swiglu(h_BTD, w_in, w(self.w_down), scale), kv, None
-
-    def _input(self, x_BTD, norm):
-        """A sublayer's input and the scale of its products: RMSNorm(x) and None, or, the norm
-        folded into the products (`fold_input_norms`), x itself and 1 / RMS(x)."""
-        eps = self.config.rms_norm_eps
-        if norm is None:
-            return x_BTD, inverse_rms(x_BTD, eps)
-        return rms_norm(x_BTD, norm[...], eps), None
 
     def fused(self, constrain) -> Block:
         """A copy of this one-layer block (a slice of the stacks) with its input products fused,

@@ -28,3 +28,9 @@ def test_every_variant_runs_and_compiles_one_program(tmp_path):
     by_name = {r["variant"]: r for r in report["rows"]}
     assert by_name["speculative"]["speedup_over_speculative"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["iterations"] >= 1 for r in report["rows"])
+    # Each stage's verify steps add up to the variant's: one stage without buckets, two with
+    # (partial rollouts: their sum alone).
+    for r in report["rows"]:
+        stages = 2 if r["variant"] in ("speculative + buckets", "plain + buckets") else 1
+        assert len(r["iterations_by_stage"]) == stages
+        assert abs(sum(r["iterations_by_stage"]) - r["iterations"]) < 1e-9

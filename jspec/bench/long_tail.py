@@ -7,10 +7,11 @@ plainly and speculatively, on the run's own policy, draft, prompts and temperatu
 The batch is an RL step's (`rl.prompts` problems of `rl.task`, `rl.group_size` responses each,
 at `rollout.temperature`); with `rl.task.spread` most responses are short and a few long, as in
 RL. Each variant generates the batches of `--steps` RL steps (one more first, which compiles),
-and the table gives their mean rollout seconds, tokens/s, verify steps, the share of decoded row
-steps that emitted (busy) and the accepted length, and the ratio to the speculative rollout with
-no compaction. `--same-length` adds the variants with the end token ignored, so that every row
-runs to rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K` adds
+and the table gives their mean rollout seconds, tokens/s, verify steps (and how many of them each
+stage ran: the whole batch, then each bucket), the share of decoded row steps that emitted (busy)
+and the accepted length, and the ratio to the speculative rollout with no compaction.
+`--same-length` adds the variants with the end token ignored, so that every row runs to
+rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K` adds
 partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most
 K rows run, and those go on in the next step's; its tokens/s counts the tokens each rollout
 generated. The programs compiled for the rollout are counted: one per variant, whatever the
@@ -34,7 +35,7 @@ from jspec import hosts
 from jspec.jobs import cli, rl_run
 from jspec.rl import partial, tasks
 from jspec.sampler import generate
-from jspec.sampler.generation import compiled_programs
+from jspec.sampler.generation import compiled_programs, stages
 
 
 def parse_args(argv=None):
@@ -116,9 +117,26 @@ def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows:
         "tokens_per_s": tokens / float(np.sum(seconds)),
         "mean_length": tokens / (len(seconds) * run.rl.batch),
         "iterations": int(total.iterations) / len(seconds),
+        "iterations_by_stage": _iterations_by_stage(total, config, rl.batch, len(seconds), rows),
         "busy": total.busy(),
         "accepted_length": total.mean_accepted_length(),
     }
+
+
+def _iterations_by_stage(total, config, batch: int, steps: int, partial_rows: int) -> list:
+    """Mean verify steps of each stage (the whole batch, then each bucket reached); of partial
+    rollouts only their sum, their batch growing with the rows carried in."""
+    if partial_rows:
+        return [int(total.iterations) / steps]
+    rows = [r for r, _ in stages(config, batch)]
+    return [int(n) / r / steps for n, r in zip(total.row_steps, rows, strict=True)]
+
+
+def by_stage(row: dict) -> str:
+    """A variant's verify steps, and those of each stage where it ran several: '74 (30 + 44)'."""
+    steps = row["iterations_by_stage"]
+    parts = f" ({' + '.join(f'{n:.0f}' for n in steps)})" if len(steps) > 1 else ""
+    return f"{row['iterations']:.0f}{parts}"
 
 
 def main(argv=None):
@@ -141,7 +159,7 @@ def main(argv=None):
     for r in rows:
         print(
             f"| {r['variant']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
-            f"{r['mean_length']:.0f} | {r['iterations']:.0f} | {r['busy']:.2f} | "
+            f"{r['mean_length']:.0f} | {by_stage(r)} | {r['busy']:.2f} | "
             f"{r['accepted_length']:.2f} | {r['speedup_over_speculative']:.2f}x |"
         )
     programs = compiled_programs()

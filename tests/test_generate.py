@@ -100,7 +100,7 @@ def setup(target):
     for p, n, g in zip(*host, strict=True):
         rows.append(np.concatenate([p[:n], g, np.zeros(5 - n, np.int32)]))
     rows = jnp.asarray(np.stack(rows))
-    distill = lambda d: distill_draft(target, d, rows, train_lengths + NEW, 200)
+    distill = lambda d: distill_draft(target, d, rows, train_lengths + NEW, 100)
     drafts = {
         "eagle3": distill(create_eagle3(Eagle3Config.for_target(CONFIG), seed=0)),
         "mtp": distill(create_mtp(MTPConfig.for_target(CONFIG), seed=0)),

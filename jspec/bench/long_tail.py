@@ -15,7 +15,9 @@ rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K`
 partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most
 K rows run, and those go on in the next step's; its tokens/s counts the tokens each rollout
 generated. The programs compiled for the rollout are counted: one per variant, whatever the
-buckets (they are stages of one program). Prints a Markdown table and writes JSON.
+buckets (they are stages of one program). `--profile DIR` traces one more rollout of each
+variant (not the partial ones) and prints its GPU kernels: their time against the rollout's, the
+launches a verify step, the heaviest kernels. Prints a Markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from jspec import config as config_lib
 from jspec import hosts
+from jspec.bench.kernel_profile import gpu_kernels
 from jspec.jobs import cli, rl_run
 from jspec.rl import partial, tasks
 from jspec.sampler import generate
@@ -49,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--partial-rows", type=cli.at_least(0), default=0, help="also partial rollouts of K rows"
     )
+    p.add_argument("--profile", metavar="DIR", help="also trace each variant's GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_long_tail.json"))
     return p.parse_intermixed_args(argv)
 
@@ -123,6 +127,35 @@ def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows:
     }
 
 
+def profile_variant(models, data, config, speculative: bool, log_dir: str) -> dict:
+    """The GPU kernels of a rollout of the variant's second batch: their milliseconds against the
+    rollout's (the rest is launch gaps and the host), launches a verify step, and the ten
+    heaviest kernels (ms, launches)."""
+    policy, draft = models
+    prompts, lengths = data[1]
+    key = jax.random.key(0)
+    run = lambda: generate(policy, draft if speculative else None, prompts, lengths, key, config)
+    iterations = int(jax.block_until_ready(run()).stats.iterations)
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    rollout_ms = 1e3 * (time.perf_counter() - start)
+    ms, launches = gpu_kernels(run, log_dir)
+    profile = {
+        "kernel_ms": sum(ms.values()),
+        "rollout_ms": rollout_ms,
+        "launches_per_verify_step": sum(launches.values()) / iterations,
+        "heaviest": [(k, v, launches[k]) for k, v in ms.most_common(10)],
+    }
+    print(
+        f"{log_dir}: kernels {profile['kernel_ms']:.1f} of {rollout_ms:.1f} ms, "
+        f"{profile['launches_per_verify_step']:.0f} launches a verify step ({iterations})",
+        file=sys.stderr,
+    )
+    for name, kernel_ms, n in profile["heaviest"]:
+        print(f"  {kernel_ms:8.2f} ms {n:6d}x  {name[:90]}", file=sys.stderr)
+    return profile
+
+
 def _iterations_by_stage(total, config, batch: int, steps: int, partial_rows: int) -> list:
     """Mean verify steps of each stage (the whole batch, then each bucket reached); of partial
     rollouts only their sum, their batch growing with the rows carried in."""
@@ -149,6 +182,9 @@ def main(argv=None):
     table = variants(run.cfg.rollout, args.same_length, args.partial_rows)
     for name, (config, speculative, base, partial_rows) in table.items():
         timed[name] = time_variant(run, models, data, config, speculative, partial_rows)
+        if args.profile and not partial_rows:
+            log_dir = f"{args.profile}/{name.replace(' ', '_').replace(',', '')}"
+            timed[name]["profile"] = profile_variant(models, data, config, speculative, log_dir)
         print(f"{name}: {timed[name]['seconds']:.3f} s", file=sys.stderr)
         speedup = timed[base]["seconds"] / timed[name]["seconds"]
         rows.append({"variant": name, **timed[name], "speedup_over_speculative": speedup})

@@ -93,21 +93,21 @@ def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: 
     draft."""
     b, t = sequences.shape
     seg = (jnp.arange(t) < jnp.asarray(lengths)[:, None]).astype(jnp.int32)
-    logits, features = target(sequences, seg, features=draft.features)
+    forward = jax.jit(lambda x, s: target(x, s, features=draft.features))
+    logits, features = forward(sequences, seg)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     shared = Shared.of(target)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
     optimizer = optax.adam(learning_rate)
 
-    def passes(d):
-        if isinstance(d, BlockDraft):
-            return block_passes(d, shared, features, sequences, seg, pos)
-        return draft_passes(d, shared, features, sequences, seg, pos, steps=0)
-
-    def loss(params):
+    def loss(params, logits, features):  # the data as arguments: as constants XLA folds them
         d = nnx.merge(graphdef, params, rest)
+        if isinstance(d, BlockDraft):
+            passes = block_passes(d, shared, features, sequences, seg, pos)
+        else:
+            passes = draft_passes(d, shared, features, sequences, seg, pos, steps=0)
         total = 0.0
-        for i, hidden in enumerate(passes(d)):  # pass i at t: the target's choice at t + 1 + i
+        for i, hidden in enumerate(passes):  # pass i at t: the target's choice at t + 1 + i
             labels = jnp.argmax(jnp.roll(logits, -1 - i, axis=1), axis=-1)
             mask = (seg * jnp.roll(seg, -1 - i, axis=1)).astype(bool) & (jnp.arange(t) < t - 1 - i)
             full = d.to_target_vocab(d.draft_logits(hidden, shared))
@@ -116,14 +116,14 @@ def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: 
         return total
 
     @jax.jit
-    def step(params, opt_state):
-        grads = jax.grad(loss)(params)
+    def step(params, opt_state, logits, features):
+        grads = jax.grad(loss)(params, logits, features)
         updates, opt_state = optimizer.update(grads, opt_state)
         return optax.apply_updates(params, updates), opt_state
 
     opt_state = optimizer.init(params)
     for _ in range(steps):
-        params, opt_state = step(params, opt_state)
+        params, opt_state = step(params, opt_state, logits, features)
     return nnx.merge(graphdef, params, rest)
 
 

@@ -2,6 +2,7 @@
 (`rl_run.check`) for the cluster they describe, and so does every shipped config with an RL
 section, on the devices its mesh names."""
 
+import functools
 import math
 import pathlib
 import re
@@ -67,7 +68,9 @@ def task_tokenizer(directory, task) -> str:
 
 
 @pytest.mark.parametrize("name", rl_configs())
-def test_every_shipped_rl_config_passes_the_trainers_validation(name, tmp_path):
+def test_every_shipped_rl_config_passes_the_trainers_validation(name, tmp_path, monkeypatch):
+    # Widths from 256 problems of each task, not 1,024: the code task's hardest take ~0.1 s each.
+    monkeypatch.setattr(tasks, "widths", functools.partial(tasks.widths, samples=256))
     cfg = config_lib.load(name)
     if cfg.rl.task.name == "code":  # for a trained code model (rl.policy), with its BPE
         bpe = task_tokenizer(tmp_path, cfg.rl.task)

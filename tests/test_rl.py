@@ -87,7 +87,7 @@ def test_training_time_test_passes_are_the_draft_at_inference(kind):
     seg, pos = jnp.ones_like(tokens), jnp.arange(12)[None]
     passes = jax.jit(draft_passes, static_argnums=6)(draft, shared, features, tokens, seg, pos, 2)
     t, rollout = 5, draft.for_rollout()
-    root = rollout.prefill(
+    root = jax.jit(rollout.prefill)(
         shared,
         tokens[:, : t + 1],
         jnp.array([t + 1]),
@@ -101,7 +101,7 @@ def test_training_time_test_passes_are_the_draft_at_inference(kind):
     tree, hidden, parent = rollout.empty_tree(1, 2), root.hidden[:, None], jnp.array([[-1]])
     for depth in (1, 2):
         token = tokens[:, t + 1 + depth][:, None]
-        _, hidden, k, v, anchor = rollout.tree_step(
+        _, hidden, k, v, anchor = jax.jit(rollout.tree_step, static_argnums=3)(
             shared, token, hidden, depth, parent, root.cache, tree
         )
         tree, parent = tree.add(k, v, anchor, parent, depth - 1), jnp.array([[depth - 1]])

@@ -12,8 +12,11 @@ say "landed" (the copy's bytes arrived) and "consumed" (both compute groups are 
 - forward: a program per (query head, 128-query tile, row) streams K/V tiles; online softmax in
   base 2; the running (o, lse) is continued in place (`jax.new_ref`), as the ring needs.
 - backward: a program per (KV head, 128-key tile, row) streams the q, dO, lse and delta tiles of
-  its G query heads; dK and dV stay in registers. Each tile pair's dQ leaves by a TMA reduce-add
-  into the running dq (`jax.new_ref`: in place): five products a tile pair, no second kernel.
+  its G query heads; dK and dV stay in registers. Per tile pair, both compute groups write their
+  dS into one shared tile (a ring of two, behind a barrier between the two groups), then each
+  takes half of the head dims of dQ over all 128 keys and reduce-adds it by TMA into the running
+  dq (`jax.new_ref`: in place): five products a tile pair, no second kernel, each dq element
+  reduced once a tile pair, and a group's registers (dK, dV, S, dP, half a dQ) within its 232.
   The reduction's order varies, so dq may differ in its last bits from run to run (the Triton
   kernel's is fixed).
 
@@ -138,9 +141,10 @@ def _stream(count, steps, parts):
             copy(i + steps, slot)
 
 
-def _smem(shape, dtype):
-    """A shared-memory tile in wgmma's layout (8 x 64 tiles, 128-byte swizzle)."""
-    tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def _smem(shape, dtype, swizzle=128):
+    """A shared-memory tile in wgmma's layout: rows of `swizzle` bytes, 8-row tiles, swizzled."""
+    cols = swizzle // jnp.dtype(dtype).itemsize
+    tiling = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(swizzle))
     return plgpu.SMEM(shape, dtype, transforms=tiling)
 
 
@@ -320,7 +324,7 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
 
 def _bwd_body(plan_ref, q_ref, k_ref, v_ref, do_ref, idq_ref, idk_ref, lse_ref, delta_ref, dq_ref,
               dk_ref, dv_ref, scratch, *, scale, bq, steps, groups):  # fmt: skip
-    smem, landed, consumed, own = scratch
+    smem, landed, done, own, ds_ready = scratch
     row, kv_head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
     kt = lax.axis_index("k_seq")
     n = plan_ref[row, kt, 1]
@@ -335,101 +339,41 @@ def _bwd_body(plan_ref, q_ref, k_ref, v_ref, do_ref, idq_ref, idk_ref, lse_ref, 
         k_ids = [_load(idk_ref.at[row, i, cols], _ROW) for i in (0, 1)]
         kv = (k_ref.at[row, cols, kv_head], v_ref.at[row, cols, kv_head])
         out = (dk_ref.at[row, cols, kv_head], dv_ref.at[row, cols, kv_head])
+        half = dq_ref.shape[-1] // 2
 
-        def dq_dest(i):
+        def dq_dest(i):  # this group's half of the head dims
             h, j = tile(i)
-            return dq_ref.at[row, pl.ds(j * bq, bq), h]
+            return dq_ref.at[row, pl.ds(j * bq, bq), h, pl.ds(wg * half, half)]
 
-        run = functools.partial(_bwd_compute, smem, landed, consumed, own, wg, steps)
+        bars = (*landed, done, own, ds_ready)
+        run = functools.partial(_bwd_compute, smem, bars, wg, steps)
         run(kv, out, k_ids, dq_dest, plan_ref[row, kt, 0], n, groups, scale=scale)
 
     @pl.when(wg == 2)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        q_smem, do_smem, id_smem, lse_smem, delta_smem = smem[2:7]
 
-        def copy_do(i, slot):  # dO is released first, within the step
-            h, j = tile(i)
-            src = do_ref.at[row, pl.ds(j * bq, bq), h]
-            plgpu.copy_gmem_to_smem(src, do_smem.at[slot], landed[3].at[slot])
-
-        def copy_rest(i, slot):
+        def copy(i, slot):  # in the order the compute groups wait for them
             h, j = tile(i)
             rows = pl.ds(j * bq, bq)
-            for src, dst, bar in (
-                (q_ref.at[row, rows, h], q_smem, 0),
-                (lse_ref.at[row, h, rows], lse_smem, 1),
-                (idq_ref.at[row, j], id_smem, 2),
-                (delta_ref.at[row, h, rows], delta_smem, 4),
-            ):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], landed[bar].at[slot])
+            srcs = (q_ref.at[row, rows, h], do_ref.at[row, rows, h], lse_ref.at[row, h, rows])
+            srcs += (idq_ref.at[row, j], delta_ref.at[row, h, rows])
+            for src, dst, bar in zip(srcs, smem[2:7], landed, strict=True):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
-        q_done, do_done = consumed
-        _stream(groups * n, steps, ((do_done, copy_do), (q_done, copy_rest)))
+        _stream(groups * n, steps, ((done, copy),))
 
 
-def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest, n_full, n,
-                 groups, *, scale):  # fmt: skip
+def _bwd_compute(smem, bars, wg, steps, kv, out, k_ids, dq_dest, n_full, n, groups, *,
+                 scale):  # fmt: skip
     """One compute group's 64 keys against the listed query tiles of its G query heads: dK, dV
-    written, each step's dQ reduced into the running dq."""
-    k_smem, v_smem, q_smem, do_smem, id_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
-    q_landed, lse_landed, id_landed, do_landed, delta_landed = landed
-    q_done, do_done = consumed
-    k_smem, v_smem, ds_smem, dq_smem = (x.at[wg] for x in (k_smem, v_smem, ds_smem, dq_smem))
-    plgpu.copy_gmem_to_smem(kv[0], k_smem, own.at[wg])
-    plgpu.copy_gmem_to_smem(kv[1], v_smem, own.at[2 + wg])
-    plgpu.barrier_wait(own.at[wg])
-    plgpu.barrier_wait(own.at[2 + wg])
-    bq, d = q_smem.shape[1:]
-    tile = (ROWS, bq)  # transposed: keys along rows
-    dtype = k_smem.dtype
-
-    def step(i, carry, masked):
-        dk, dv = carry
-        slot = lax.rem(i, steps)
-        dest = dq_dest(i)  # read from the plan before anything waits
-        plgpu.barrier_wait(q_landed.at[slot])
-
-        def scores(s_ref):
-            plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].T)
-            return s_ref[...]
-
-        s = pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
-        plgpu.barrier_wait(lse_landed.at[slot])
-        lse = _load(lse_smem.at[slot], _COL)  # base 2
-        p = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, tile, [1]))
-        plgpu.barrier_wait(id_landed.at[slot])
-        if masked:
-            q_ids = [_load(id_smem.at[slot, i], _COL) for i in (0, 1)]
-            p = jnp.where(_visible(*q_ids, *k_ids, tile, 1), p, 0.0)
-        plgpu.barrier_wait(do_landed.at[slot])
-
-        def dv_dp(refs):
-            dv_ref, dp_ref = refs
-            plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-            plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].T)
-
-        zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32), _WG)
-        dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-        plgpu.barrier_arrive(do_done.at[slot])
-        plgpu.barrier_wait(delta_landed.at[slot])
-        delta = _load(delta_smem.at[slot], _COL)
-        ds_smem[...] = (p * (dp - lax.broadcast_in_dim(delta, tile, [1]))).astype(dtype)
-        plgpu.commit_smem()
-
-        def dk_dq(refs):
-            dk_ref, dq_ref = refs
-            plgpu.wgmma(dk_ref, ds_smem, q_smem.at[slot])
-            plgpu.wgmma(dq_ref, ds_smem.T, k_smem)
-
-        zeros = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), _WG)
-        dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros)))
-        plgpu.barrier_arrive(q_done.at[slot])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
-        dq_smem[...] = dq * scale
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dest, reduction_op="add")
-        return dk, dv
+    written, each step's dQ (its half of the head dims) reduced into the running dq."""
+    k_smem, v_smem, own = smem[0], smem[1], bars[6]
+    plgpu.copy_gmem_to_smem(kv[0], k_smem.at[pl.ds(wg * ROWS, ROWS)], own.at[wg])
+    plgpu.copy_gmem_to_smem(kv[1], v_smem.at[wg], own.at[2 + wg])
+    for b in (0, 1, 2 + wg):  # dQ reads the other group's keys too
+        plgpu.barrier_wait(own.at[b])
+    step = functools.partial(_bwd_step, smem, bars, wg, steps, k_ids, dq_dest, scale=scale)
 
     def head(h, carry):
         carry = lax.fori_loop(h * n, h * n + n_full, functools.partial(step, masked=False), carry)
@@ -437,11 +381,66 @@ def _bwd_compute(smem, landed, consumed, own, wg, steps, kv, out, k_ids, dq_dest
             h * n + n_full, (h + 1) * n, functools.partial(step, masked=True), carry
         )
 
-    zeros = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), _WG)
+    zeros = plgpu.layout_cast(jnp.zeros((ROWS, k_smem.shape[-1]), jnp.float32), _WG)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
     out[0][...] = dk * scale
     out[1][...] = dv
     plgpu.wait_smem_to_gmem(0)
+
+
+def _bwd_step(smem, bars, wg, steps, k_ids, dq_dest, i, carry, *, masked, scale):
+    """Step i of a compute group: S, dP; P, dS (into the shared dS tile); dV, dK; then, once both
+    groups' dS are in, this group's half of the head dims of dQ over all 128 keys."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, id_smem, delta_smem, ds_smem, dq_smem = smem
+    q_landed, do_landed, lse_landed, id_landed, delta_landed, done, _, ds_ready = bars
+    dk, dv = carry
+    slot, buf = lax.rem(i, steps), lax.rem(i, 2)
+    dest = dq_dest(i)  # read from the plan before anything waits
+    bq, half = dq_smem.shape[1:]
+    tile, dtype = (ROWS, bq), k_smem.dtype  # transposed: keys along rows
+    # wg, but not to the compiler (i >= 0): K's and V's wgmma descriptors are then made in the
+    # loop, not held in registers across it (ptxas spilled them: 244 bytes of spill stores).
+    wg_ = wg + lax.shift_right_logical(i, 31)
+    plgpu.barrier_wait(q_landed.at[slot])
+
+    def scores(s_ref, dp_ref):  # P while dP is in flight
+        plgpu.wgmma(s_ref, k_smem.at[pl.ds(wg_ * ROWS, ROWS)], q_smem.at[slot].T)
+        plgpu.barrier_wait(do_landed.at[slot])
+        plgpu.wgmma(dp_ref, v_smem.at[wg_], do_smem.at[slot].T)
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        plgpu.barrier_wait(lse_landed.at[slot])
+        lse = _load(lse_smem.at[slot], _COL)  # base 2
+        p = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, tile, [1]))
+        plgpu.barrier_wait(id_landed.at[slot])
+        if masked:
+            q_ids = [_load(id_smem.at[slot, i], _COL) for i in (0, 1)]
+            p = jnp.where(_visible(*q_ids, *k_ids, tile, 1), p, 0.0)
+        return p, dp_ref[...]
+
+    p, dp = pl.run_scoped(scores, *(plgpu.ACC(tile, jnp.float32),) * 2)
+    plgpu.barrier_wait(delta_landed.at[slot])
+    delta = _load(delta_smem.at[slot], _COL)
+    p, ds = p.astype(dtype), (p * (dp - lax.broadcast_in_dim(delta, tile, [1]))).astype(dtype)
+    ds_smem.at[buf, pl.ds(wg * ROWS, ROWS)][...] = ds
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ds_ready.at[buf])
+
+    def products(refs):
+        dk_ref, dv_ref, dq_ref = refs
+        plgpu.wgmma(dv_ref, p, do_smem.at[slot])
+        plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
+        plgpu.barrier_wait(ds_ready.at[buf])  # both groups' dS
+        plgpu.wgmma(dq_ref, ds_smem.at[buf].T, k_smem.at[:, pl.ds(wg_ * half, half)])
+
+    zeros = plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), _WG)
+    dk, dv, dq = pl.run_state(products)(tuple(map(plgpu.ACC.init, (dk, dv, zeros))))
+    plgpu.barrier_arrive(done.at[slot])
+    dq_smem = dq_smem.at[wg]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduction has read dq_smem
+    dq_smem[...] = dq * scale
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dest, reduction_op="add")
+    return dk, dv
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles"))
@@ -457,21 +456,24 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     lse, delta = (jnp.swapaxes(blocks.pad_rows(x, tq), 1, 2) for x in (lse * _LOG2E, delta))
     see, full = blocks.tile_visibility(q_seg, q_pos, k_seg, k_pos, bq, 2 * ROWS)
     plan = _plan(jnp.swapaxes(see, 1, 2), jnp.swapaxes(full, 1, 2))
+    # dQ takes column halves of K: rows of d / 2 elements, as all operands of a wgmma share them.
+    tiles16 = functools.partial(_smem, dtype=k.dtype, swizzle=min(128, d * k.dtype.itemsize // 2))
     scratch = (
         (
-            _smem((2, ROWS, d), k.dtype),
-            _smem((2, ROWS, d), k.dtype),
-            _smem((steps, bq, d), k.dtype),
-            _smem((steps, bq, d), k.dtype),
+            tiles16((2 * ROWS, d)),
+            tiles16((2, ROWS, d)),
+            tiles16((steps, bq, d)),
+            tiles16((steps, bq, d)),
+            plgpu.SMEM((steps, bq), jnp.float32),
             plgpu.SMEM((steps, 2, bq), jnp.int32),
             plgpu.SMEM((steps, bq), jnp.float32),
-            plgpu.SMEM((steps, bq), jnp.float32),
-            _smem((2, ROWS, bq), k.dtype),
-            plgpu.SMEM((2, bq, d), jnp.float32),
+            tiles16((2, 2 * ROWS, bq)),  # a ring of two: the next step's dS may land
+            _smem((2, bq, d // 2), jnp.float32),
         ),
         (plgpu.Barrier(num_barriers=steps),) * 5,
-        (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
+        plgpu.Barrier(num_arrivals=2, num_barriers=steps),
         plgpu.Barrier(num_barriers=4),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
     )
     body = functools.partial(_bwd_body, scale=scale, bq=bq, steps=steps, groups=hq // hkv)
     dq = jax.new_ref(dq0)

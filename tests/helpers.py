@@ -100,7 +100,7 @@ def distill_draft(target, draft, sequences, lengths, steps: int, learning_rate: 
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
     optimizer = optax.adam(learning_rate)
 
-    def loss(params, logits, features):  # the data as arguments: as constants XLA folds them
+    def loss(params, logits, features):  # the target's outputs as arguments: XLA folds constants
         d = nnx.merge(graphdef, params, rest)
         if isinstance(d, BlockDraft):
             passes = block_passes(d, shared, features, sequences, seg, pos)

@@ -87,17 +87,22 @@ def test_the_census_counts_each_part_of_a_speculative_step(capsys, tmp_path):
     assert "by part: draft_tree " in capsys.readouterr().out
 
 
+def train_step_text(argv: list[str], mesh: str, topology: str) -> str:
+    """The compiled text of the planner's train step of `argv` on `mesh`, for H200s."""
+    cfg, seq_len = plan.plan_config(plan.parse_args([*argv, "--mesh", mesh]))
+    devices = plan_devices.gpu_topology_devices(topology, plan_devices.gpu_target("h200"))
+    networks, params = plan.abstract_networks(cfg, make_mesh(cfg.mesh, devices))
+    compiled, _, _ = plan.train_step(cfg, networks, params, seq_len, rows=2)
+    return compiled.as_text()
+
+
 def test_a_pipeline_runs_the_attention_kernels_inside_its_stages():
     """Two stages on two H200s: the train step calls the Pallas attention kernels (forward,
     dK/dV, dQ) inside the stages' vmap, each device on its own stage's microbatch, and gathers
     nothing (the stage's attention is a shard_map that the vmap over the stage axis splits)."""
     argv = ["--config", "tiny", "--seq-len", "128", "rollout.max_new_tokens=16"]
     argv += ["model.num_layers=4", "pipeline.stages=2", "pipeline.microbatches=2"]
-    cfg, seq_len = plan.plan_config(plan.parse_args([*argv, "--mesh", "data=1,stage=2"]))
-    devices = plan_devices.gpu_topology_devices("1x2", plan_devices.gpu_target("h200"))
-    networks, params = plan.abstract_networks(cfg, make_mesh(cfg.mesh, devices))
-    compiled, _, _ = plan.train_step(cfg, networks, params, seq_len, rows=2)
-    text = compiled.as_text()
+    text = train_step_text(argv, "data=1,stage=2", "1x2")
     in_stages = [line for line in text.splitlines() if "/vmap(" in line and "pallas_call" in line]
     kernels = set(re.findall(r"jspec_attention_\w+", "\n".join(in_stages)))
     assert kernels == {"jspec_attention_fwd", "jspec_attention_dkdv", "jspec_attention_dq"}
@@ -130,3 +135,15 @@ def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
     calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
     assert len(calls) == 2, calls
     assert all("output_to_operand_aliasing" in line for line in calls)
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")
+def test_the_train_step_runs_the_mosaic_kernel_on_hopper():
+    """On a Hopper GPU the model's attention ("auto") is the Mosaic GPU kernel where it takes the
+    head dim and dtype, also inside the scanned layers under remat, which splits the forward into
+    what it saves and what it recomputes: the kernel's in-place buffers stay on one side."""
+    argv = ["--config", "tiny", "--seq-len", "256", "rollout.max_new_tokens=16"]
+    argv += ["model.dtype=bfloat16", "model.head_dim=64", "model.remat=dots"]
+    text = train_step_text(argv, "data=1", "1x1")
+    assert 'custom_call_target="mosaic_gpu' in text
+    assert "jspec_attention_" not in text  # no Triton attention kernel

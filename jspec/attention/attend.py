@@ -19,8 +19,9 @@ PALLAS_PAD = 128  # a multiple of every Pallas tile, so the kernel never pads pe
 # The block kernel: "xla" (portable), "pallas" (NVIDIA GPU, Triton), "mosaic" (Hopper GPU, Pallas'
 # Mosaic GPU backend: head dim 64 or 128, 16-bit), "pallas_tpu" (TPU), either Pallas kernel of the
 # first kind in Pallas' interpreter on any backend ("pallas_interpret", "pallas_tpu_interpret":
-# slow, for tests); "auto" takes the Pallas kernel of the backend where it runs, and elsewhere XLA's
-# path, or the TPU kernel in a program compiled for a TPU (a CPU host compiling for a TPU slice).
+# slow, for tests); "auto" takes the fastest Pallas kernel of the backend where it runs (on Hopper
+# the Mosaic GPU one where it takes the head dim and dtype, else the Triton one), and elsewhere
+# XLA's path, or the TPU kernel in a program compiled for a TPU (a CPU host compiling for a TPU).
 # "decode": few queries per row against a long cache, on one device (`decode.py`: rollouts).
 IMPLS = (
     "auto",
@@ -39,6 +40,8 @@ def _resolve(impl: str, head_dim: int, dtype) -> str:
     if impl == "auto":
         if pallas_tpu.available():
             return "pallas_tpu"
+        if mosaic_gpu.available() and mosaic_gpu.supports(head_dim, dtype):
+            return "mosaic"
         if pallas_gpu.available() and pallas_gpu.supports(head_dim):
             return "pallas"
         return "xla_or_tpu"

@@ -488,6 +488,21 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
 # The entry points: `blocks.fwd` / `blocks.bwd`'s signatures.
 
 
+def _undivided(kernel, *args, **static):
+    """kernel(*args, **static), which autodiff's partial evaluation never splits. Under remat (the
+    model's `jax.checkpoint`) a jit or scan around the kernel is split into what remat saves and
+    what it recomputes, and the kernel's in-place buffer (`jax.new_ref`) would pass between the
+    halves, which JAX refuses; a custom_vjp is kept whole. The gradient is the ring's custom_vjp:
+    this one is never differentiated."""
+
+    def not_differentiated(*_):
+        raise NotImplementedError("the Mosaic GPU kernels are differentiated by jspec.attention")
+
+    call = jax.custom_vjp(functools.partial(kernel, **static))
+    call.defvjp(lambda *a: (kernel(*a, **static), None), not_differentiated)
+    return call(*args)
+
+
 def _check(q, k, tiles: Tiles):
     d = q.shape[-1]
     if q.shape[2] % k.shape[2]:
@@ -523,7 +538,8 @@ def fwd(
     _check(q, k, tiles)
     q, v = q.astype(k.dtype), v.astype(k.dtype)
     acc = acc or blocks.empty_acc(q)
-    return _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, *acc, scale=float(scale), tiles=tiles)
+    args = (q, k, v, q_seg, q_pos, k_seg, k_pos, *acc)
+    return _undivided(_fwd, *args, scale=float(scale), tiles=tiles)
 
 
 def bwd(
@@ -553,4 +569,4 @@ def bwd(
     dq = jnp.zeros(q.shape, jnp.float32) if dq is None else dq
     lse, delta = (x.astype(jnp.float32) for x in (lse, delta))
     args = (q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq)
-    return _bwd(*args, scale=float(scale), tiles=tiles)
+    return _undivided(_bwd, *args, scale=float(scale), tiles=tiles)

@@ -69,6 +69,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+AUTO_KERNELS = ("auto", "pallas", "xla")
+
+
+def restrict_auto(kernel: str) -> None:
+    """Make attention's impl="auto" (what the models call) take `kernel` on a GPU: "pallas" passes
+    over the Mosaic GPU kernel for the Triton one, "xla" over both for the XLA blocks, "auto"
+    changes nothing. For benchmarks comparing the kernels inside a whole model."""
+    from jspec.attention import mosaic_gpu, pallas_gpu
+
+    if kernel in ("pallas", "xla"):
+        mosaic_gpu.available = lambda: False
+    if kernel == "xla":
+        pallas_gpu.available = lambda: False
+
+
 def packed_rows(batch, seq, mean_doc, unit, rng):
     """(segment ids, positions) [batch, seq] of rows packed with documents from one distribution.
 

@@ -14,7 +14,8 @@ fraction 1 - t1 / (S * t): t1 is the unpipelined policy's step on one device for
 
 Attention runs in the Pallas kernels inside the stages (`impl='auto'`: the model's attention is a
 `shard_map`, which the vmap over the stage axis splits, so each device calls the kernels on its own
-stage's microbatch: tests/test_gpu_compile.py); `--attention xla` takes XLA's blocks instead.
+stage's microbatch: tests/test_gpu_compile.py); `--attention pallas` the Triton kernel where the
+Mosaic GPU one would run, `--attention xla` XLA's blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import time
 
 from jspec import mesh as mesh_lib
+from jspec.bench.attention import AUTO_KERNELS, restrict_auto
 from jspec.jobs import cli
 
 DEFAULTS = {  # device: (config, overrides, batch, seq, stages, microbatches, repeats)
@@ -46,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=cli.at_least(1), nargs="+", default=None)
     p.add_argument("--repeats", type=cli.at_least(1), nargs="+", default=None)
     p.add_argument("--data", type=cli.at_least(1), default=1, help="size of the mesh's data axis")
-    p.add_argument("--attention", choices=("auto", "xla"), default="auto", help="see above")
+    p.add_argument("--attention", choices=AUTO_KERNELS, default="auto", help="see above")
     p.add_argument("--iters", type=cli.at_least(1), default=10)
     p.add_argument("--json", default="runs/bench_pipeline/results.json")
     args = p.parse_args(argv)
@@ -183,10 +185,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cpu":
         mesh_lib.use_cpu_devices(8)
-    if args.attention == "xla":
-        from jspec.attention import pallas_gpu
-
-        pallas_gpu.available = lambda: False  # attention's "auto" then takes the XLA blocks
+    restrict_auto(args.attention)
     result = measure(args)
     print_table(result)
     path = pathlib.Path(args.json)

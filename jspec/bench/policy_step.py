@@ -11,7 +11,8 @@ product (attention's projections, the MLP, or a mixture's routed experts and rou
 and attention over the pairs a query sees (causal within its document); not the norms, the
 embedding lookup, remat's recomputation or padding. Rows: `--tokens` a row, `--documents` equal
 documents each (a packed training row), `--rows` rows. Random weights in the config's dtypes.
-Prints a Markdown table and writes JSON.
+`--attention pallas` (or `xla`) runs attention in the Triton kernel (XLA's blocks) where "auto"
+would take the Mosaic GPU one, to compare them in the model. Prints a Markdown table, writes JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jspec import config as config_lib
-from jspec.bench.attention import visible_pairs
+from jspec.bench.attention import AUTO_KERNELS, restrict_auto, visible_pairs
 from jspec.bench.timing import time_compiled
 from jspec.config import ConfigError, ModelConfig
 from jspec.jobs import cli
@@ -47,6 +48,9 @@ def parse_args(argv=None):
         "--documents", type=cli.at_least(1), default=4, help="equal documents packed in a row"
     )
     p.add_argument("--rows", type=cli.at_least(1), default=1)
+    p.add_argument(
+        "--attention", choices=AUTO_KERNELS, default="auto", help="the block kernel on a GPU"
+    )
     p.add_argument("--iters", type=cli.at_least(1), default=5)
     p.add_argument("--ceiling", type=cli.positive, default=MATMUL_CEILING, help="matmul FLOP/s")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_policy_step.json"))
@@ -123,6 +127,7 @@ def main(argv=None):
     if args.device == "gpu" and jax.devices()[0].platform != "gpu":
         platform = jax.devices()[0].platform
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
+    restrict_auto(args.attention)
     cfg = config_lib.load(args.config, args.overrides).model
     graphdef, params = nnx.split(create(cfg))
     count = sum(x.size for x in jax.tree.leaves(params))
@@ -140,7 +145,9 @@ def main(argv=None):
             f"| {r['tokens']:,} | {r['rows']} | {r['ms']:.1f} ms | {r['model_tflop']:.2f} | "
             f"{r['tflop_per_s']:.1f} | {100 * r['of_ceiling']:.0f}% | {r['temp_gb']:.2f} GB |"
         )
-    summary = dict(config=args.config, overrides=args.overrides, parameters=count)
+    summary = dict(
+        config=args.config, overrides=args.overrides, parameters=count, attention=args.attention
+    )
     args.out.write_text(json.dumps({**summary, "rows": rows}, indent=2) + "\n")
 
 

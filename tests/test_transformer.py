@@ -192,6 +192,28 @@ def test_cache_overflow_is_refused_or_marked(model):
     np.testing.assert_array_equal(marked.length, [4, 3])
 
 
+def test_put_rows_moves_a_shorter_cache_into_the_first_slots(model):
+    """A prefill's cache, as long as its prompts, replaces rows of a longer cache: its K/V in the
+    first slots, the rest of the row emptied (segment 0) whatever it held; a row index past the
+    last is dropped, the other rows are untouched."""
+    shape = (CONFIG.num_layers, 3, 6, CONFIG.num_kv_heads, CONFIG.head_dim)
+    full = model.init_cache(3, 8).append(jnp.ones(shape), jnp.ones(shape), jnp.array([6, 5, 4]))
+    shape = (CONFIG.num_layers, 2, 2, CONFIG.num_kv_heads, CONFIG.head_dim)
+    short = model.init_cache(2, 2).append(
+        2 * jnp.ones(shape), 3 * jnp.ones(shape), jnp.array([2, 1])
+    )
+    put = jax.jit(KVCache.put_rows)(full, jnp.array([2, 3]), short)  # row 3: none, dropped
+    np.testing.assert_array_equal(put.length, [6, 5, 2])
+    np.testing.assert_array_equal(put.segment_ids[2], [1, 1, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(put.positions[2, :2], [0, 1])
+    np.testing.assert_array_equal(put.k[0][2, :, :2], 2)
+    np.testing.assert_array_equal(put.v[-1][2, :, :2], 3)
+    for old, new in zip(jax.tree.leaves(full), jax.tree.leaves(put)):
+        np.testing.assert_array_equal(old[:2], new[:2])
+    with pytest.raises(ValueError, match="rows of 8 slots do not fit a cache of 2 slots"):
+        short.put_rows(jnp.array([0]), full)
+
+
 def test_taps_are_layer_inputs(model, fns):
     _, forward, *_ = fns
     seq = tokens(7, 8)

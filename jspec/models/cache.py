@@ -88,6 +88,26 @@ class KVCache(NamedTuple):
         kept = jnp.arange(self.segment_ids.shape[1]) < length[:, None]
         return self._replace(segment_ids=jnp.where(kept, self.segment_ids, 0), length=length)
 
+    def put_rows(self, row: Int[Array, " r"], new: KVCache) -> KVCache:
+        """This cache with rows `row` (past the last: dropped) replaced by the rows of `new`, which
+        may have fewer slots (a prefill's, as long as its prompts): they go to the first slots,
+        and the rest of the row is emptied (segment 0), its K/V left as they were (nothing
+        attends to them). So a prefill moves its prompts' K/V, not a whole row's capacity."""
+        s, n = self.segment_ids.shape[1], new.segment_ids.shape[1]
+        if n > s:
+            raise ValueError(f"rows of {n} slots do not fit a cache of {s} slots a row.")
+        put = lambda old, x: old.at[row].set(x, mode="drop")
+        prefix = lambda old, x: old.at[row, :, :n].set(x, mode="drop")
+        padded = lambda x: jnp.pad(x, ((0, 0), (0, s - n)))
+        return KVCache(
+            k=tuple(map(prefix, self.k, new.k)),
+            v=tuple(map(prefix, self.v, new.v)),
+            segment_ids=put(self.segment_ids, padded(new.segment_ids)),
+            positions=put(self.positions, padded(new.positions)),
+            length=put(self.length, new.length),
+            overflowed=put(self.overflowed, new.overflowed),
+        )
+
     def with_tokens(self, slot_BN: Int[Array, "b n"], count: Int[Array, " b"]) -> KVCache:
         """The cache's ids, positions and lengths after writing tokens at `slot_BN` (K/V as they
         were); a row whose tokens do not all fit is marked `overflowed`."""

@@ -12,9 +12,8 @@ One verify step, for every row at once:
 The last emitted token becomes the next root (sampled, not yet in the cache). Plain decoding is the
 same loop with a tree of no nodes, so the two compare on equal terms. The loop runs while any row is
 active or any prompt waits (`lax.while_loop`). With fewer rows than prompts (`rows`), a row whose
-completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows,
-so rows that finish early (short answers, or more draft tokens accepted) do not idle until the
-slowest is done. The rows' first prompts are prefilled `refill_rows` at a time too. Once no prompt
+completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows
+(the first ones too), so rows that finish early do not idle until the slowest is done. Once no prompt
 waits, `buckets` compact: when the rows still running fit a smaller bucket (on every row shard),
 they move, caches and draft state with them, into the loop compiled for that many rows, with the
 bucket's tree; a long tail of few rows then decodes at the cost of its own batch size. Every size is
@@ -40,6 +39,7 @@ from jspec.attention.decode import cache_slots
 from jspec.attention.zigzag import concrete
 from jspec.config import ConfigError, RolloutConfig
 from jspec.models.block import BlockDraft
+from jspec.models.cache import KVCache
 from jspec.models.draft import Draft, DraftOut, Shared, check_target
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
@@ -279,7 +279,7 @@ def rollout(
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
     shared = Shared.of(target)  # in the compute dtype (`for_rollout`)
-    start = functools.partial(_start, target, draft, shared, config, t + m)
+    start = functools.partial(_start, target, draft, shared, config)
     chunk = refill_rows(config, b, p + k, target.mesh)
     fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
     shards = row_shards(target.mesh)
@@ -362,12 +362,12 @@ def _compact(s: _Loop, rows: int, shards: int) -> _Loop:
     )
 
 
-def _start(target, draft, shared, config: RolloutConfig, max_len: int, prompts, lengths, key):
-    """(`_Rows` of prompts, the roots' log-probabilities): both caches prefilled (for `max_len`
-    tokens) and the root sampled."""
-    b = prompts.shape[0]
+def _start(target, draft, shared, config: RolloutConfig, prompts, lengths, key):
+    """(`_Rows` of prompts, the roots' log-probabilities): both caches prefilled (as long as the
+    prompts: `_place` puts them into the rows' longer ones) and the root sampled."""
+    b, t = prompts.shape
     features = None if draft is None else draft.features
-    slots = cache_slots(max_len, target.config.max_seq_len)
+    slots = cache_slots(t, target.config.max_seq_len)
     cache = target.init_cache(b, slots)
     out = target.prefill(prompts, cache, lengths, features=features, kernels=config.kernels)
     probs = _sampling_probs(out[0], config)
@@ -375,7 +375,7 @@ def _start(target, draft, shared, config: RolloutConfig, max_len: int, prompts, 
     draft_out = None
     if draft is not None:
         features = out[2] if features else None
-        draft_cache = draft.init_cache(b, max_len)
+        draft_cache = draft.init_cache(b, t)
         draft_out = draft.prefill(
             shared, prompts, lengths, root, features, draft_cache, kernels=config.kernels
         )
@@ -448,9 +448,10 @@ def _place(s: _Loop, config: RolloutConfig, row, prompt, new: _Rows, logprob, bu
     """`s` with rows `row` (b: none) starting completions `prompt` from `new` (prefilled, its
     root sampled: their first token) with `budget` tokens each."""
     put = lambda old, x: old.at[row].set(x, mode="drop")
+    put_rows = lambda old, x: old.put_rows(row, x) if isinstance(old, KVCache) else put(old, x)
     done = _stops(new.root, config) | (budget == 1)
     return s._replace(
-        rows=jax.tree.map(put, s.rows, new),
+        rows=jax.tree.map(put_rows, s.rows, new, is_leaf=lambda x: isinstance(x, KVCache)),
         prompt=put(s.prompt, prompt),
         length=put(s.length, 1),
         budget=put(s.budget, budget),

@@ -92,3 +92,20 @@ def test_the_rl_train_step_benchmark_runs(tmp_path, capsys):
     assert all(0 < r["optimizer"] < r["seconds"] for r in result["rows"])
     assert result["policy"]["tflop"] > 0
     assert "policy forward + backward:" in capsys.readouterr().out
+
+
+def test_profiled_kernels_are_split_by_what_they_are():
+    from collections import Counter
+
+    from jspec.bench.kernel_profile import by_kind
+
+    ms = Counter(
+        {
+            "nvjet_sm90_tst_176x128_64x5_2x1_v_bz_TNN": 5.0,
+            "gemm_fusion_dot_303": 2.0,
+            "jspec_attention_mosaic_bwd": 3.0,
+            "jspec_decode_trunk__1": 1.0,
+            "loop_multiply_fusion_16": 0.5,
+        }
+    )
+    assert by_kind(ms) == {"matmul": 7.0, "attention": 4.0, "other": 0.5}

@@ -135,6 +135,7 @@ def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
     calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
     assert len(calls) == 2, calls
     assert all("output_to_operand_aliasing" in line for line in calls)
+    assert "jspec_attention_mosaic_fwd" in text and "jspec_attention_mosaic_bwd" in text
 
 
 @pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")

@@ -148,8 +148,9 @@ def _smem(shape, dtype, swizzle=128):
     return plgpu.SMEM(shape, dtype, transforms=tiling)
 
 
-def _kernel(body, out_type, grid, names, scratch, args):
-    """`body(*refs, scratch)` as a three-warp-group kernel over `grid` (axes `names`)."""
+def _kernel(name, body, out_type, grid, names, scratch, args):
+    """`body(*refs, scratch)` as a three-warp-group kernel over `grid` (axes `names`), named
+    `jspec_attention_mosaic_<name>` in profiles."""
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -161,6 +162,7 @@ def _kernel(body, out_type, grid, names, scratch, args):
         grid_names=names,
         num_threads=3,
         thread_name="wg",
+        kernel_name=f"jspec_attention_mosaic_{name}",
         compiler_params=plgpu.CompilerParams(approx_math=True, **_PARAMS),
     )
     return call(*args)
@@ -314,7 +316,7 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
     # Continued in place; the statistics heads first (a tile's values contiguous).
     o, lse = jax.new_ref(o0), jax.new_ref(jnp.swapaxes(lse0, 1, 2))
     args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk), o, lse)
-    _kernel(body, (), (hq, n_tiles, b), ("heads", "q_seq", "batch"), scratch, args)
+    _kernel("fwd", body, (), (hq, n_tiles, b), ("heads", "q_seq", "batch"), scratch, args)
     return o[...][:, :tq0], jnp.swapaxes(lse[...], 1, 2)[:, :tq0]
 
 
@@ -480,7 +482,7 @@ def _bwd(q, k, v, q_seg, q_pos, k_seg, k_pos, lse, dout, delta, dq0, *, scale, t
     f32 = jax.ShapeDtypeStruct(k.shape, jnp.float32)
     args = (plan, q, k, v, dout, _ids(q_seg, q_pos, bq), _ids(k_seg, k_pos), lse, delta, dq)
     grid = (hkv, tk // (2 * ROWS), b)
-    dk, dv = _kernel(body, (f32, f32), grid, ("heads", "k_seq", "batch"), scratch, args)
+    dk, dv = _kernel("bwd", body, (f32, f32), grid, ("heads", "k_seq", "batch"), scratch, args)
     return dq[...][:, :tq0], dk[:, :tk0], dv[:, :tk0]
 
 

@@ -38,6 +38,24 @@ def gpu_kernels(run, log_dir: str) -> tuple[collections.Counter, collections.Cou
     return total, count
 
 
+# What a kernel's name says it is: matrix products (cuBLAS, XLA's gemm fusions), attention
+# (jspec's Triton and Mosaic GPU kernels, cuDNN's flash attention); the rest is everything else.
+KINDS = {
+    "matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas"),
+    "attention": ("jspec_attention", "jspec_decode", "flash", "cudnn"),
+}
+
+
+def by_kind(ms: collections.Counter) -> dict[str, float]:
+    """Kernel milliseconds by what each kernel is (`KINDS`), and "other"."""
+    split = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, t in ms.items():
+        low = name.lower()
+        kind = next((k for k, marks in KINDS.items() if any(m in low for m in marks)), "other")
+        split[kind] += t
+    return split
+
+
 def loop_kernels(run, log_dir: str, lengths: tuple[int, int], steps: int, top: int = 25) -> list:
     """(kernel, ms per step, launches per step, its HLO) of the `top` heaviest GPU kernels of one
     body of a loop: the kernels of `run(long)` less those of `run(short)` (`lengths`), over the

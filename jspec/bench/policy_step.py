@@ -12,7 +12,8 @@ and attention over the pairs a query sees (causal within its document); not the 
 embedding lookup, remat's recomputation or padding. Rows: `--tokens` a row, `--documents` equal
 documents each (a packed training row), `--rows` rows. Random weights in the config's dtypes.
 `--attention pallas` (or `xla`) runs attention in the Triton kernel (XLA's blocks) where "auto"
-would take the Mosaic GPU one, to compare them in the model. Prints a Markdown table, writes JSON.
+would take the Mosaic GPU one, to compare them in the model. `--profile DIR` traces one more step
+a row and prints its GPU kernels by kind and the heaviest. Prints a Markdown table, writes JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import nnx
 
 from jspec import config as config_lib
 from jspec.bench.attention import AUTO_KERNELS, restrict_auto, visible_pairs
+from jspec.bench.kernel_profile import by_kind, gpu_kernels
 from jspec.bench.timing import time_compiled
 from jspec.config import ConfigError, ModelConfig
 from jspec.jobs import cli
@@ -53,6 +55,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--iters", type=cli.at_least(1), default=5)
     p.add_argument("--ceiling", type=cli.positive, default=MATMUL_CEILING, help="matmul FLOP/s")
+    p.add_argument("--profile", metavar="DIR", help="also trace each step's GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_policy_step.json"))
     args = p.parse_intermixed_args(argv)
     for t in args.tokens:
@@ -110,6 +113,10 @@ def measure(cfg: ModelConfig, params, graphdef, tokens: int, args) -> dict:
     flops = model_flops(cfg, seg, pos)
     memory = timed.compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
+    profiled = {}
+    if args.profile:
+        log_dir = f"{args.profile}/{tokens}"
+        profiled = dict(profile=profile(lambda: timed.compiled(*inputs), log_dir))
     return dict(
         tokens=tokens,
         rows=args.rows,
@@ -119,7 +126,22 @@ def measure(cfg: ModelConfig, params, graphdef, tokens: int, args) -> dict:
         of_ceiling=flops / (timed.ms / 1e3) / args.ceiling,
         temp_gb=temp / 1e9,
         compile_s=timed.compile_s,
+        **profiled,
     )
+
+
+def profile(run, log_dir: str) -> dict:
+    """One step's GPU kernels: milliseconds by kind (matrix products, attention, the rest) and the
+    twelve heaviest, printed to stderr."""
+    ms, launches = gpu_kernels(run, log_dir)
+    split = by_kind(ms)
+    heaviest = [(k, v, launches[k]) for k, v in ms.most_common(12)]
+    total = sum(ms.values())
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+    print(f"{log_dir}: kernels {total:.1f} ms ({parts})", file=sys.stderr)
+    for name, kernel_ms, n in heaviest:
+        print(f"  {kernel_ms:8.2f} ms {n:5d}x  {name[:90]}", file=sys.stderr)
+    return dict(kernel_ms=total, by_kind=split, launches=sum(launches.values()), heaviest=heaviest)
 
 
 def main(argv=None):

@@ -208,7 +208,7 @@ def test_put_rows_moves_a_shorter_cache_into_the_first_slots(model):
     np.testing.assert_array_equal(put.positions[2, :2], [0, 1])
     np.testing.assert_array_equal(put.k[0][2, :, :2], 2)
     np.testing.assert_array_equal(put.v[-1][2, :, :2], 3)
-    for old, new in zip(jax.tree.leaves(full), jax.tree.leaves(put)):
+    for old, new in zip(jax.tree.leaves(full), jax.tree.leaves(put), strict=True):
         np.testing.assert_array_equal(old[:2], new[:2])
     with pytest.raises(ValueError, match="rows of 8 slots do not fit a cache of 2 slots"):
         short.put_rows(jnp.array([0]), full)

@@ -13,7 +13,7 @@ The last emitted token becomes the next root (sampled, not yet in the cache). Pl
 same loop with a tree of no nodes, so the two compare on equal terms. The loop runs while any row is
 active or any prompt waits (`lax.while_loop`). With fewer rows than prompts (`rows`), a row whose
 completion has ended takes the next prompt: a refill prefills `refill_rows` prompts into free rows
-(the first ones too), so rows that finish early do not idle until the slowest is done. Once no prompt
+(the first ones too), so rows that finish early do not idle until the slowest is done. Once none
 waits, `buckets` compact: when the rows still running fit a smaller bucket (on every row shard),
 they move, caches and draft state with them, into the loop compiled for that many rows, with the
 bucket's tree; a long tail of few rows then decodes at the cost of its own batch size. Every size is

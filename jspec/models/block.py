@@ -284,4 +284,5 @@ class BlockDraft(TargetVocabulary, nnx.Module):
 
 def create_block(config: BlockConfig, *, mesh: Mesh | None = None, seed: int = 0) -> BlockDraft:
     """A randomly initialised block draft, born sharded over `mesh` (as `models.create`)."""
-    return create_sharded(lambda: BlockDraft(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+    make = lambda: BlockDraft(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    return create_sharded(make, mesh, (BlockDraft, config, seed))

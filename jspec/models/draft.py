@@ -462,7 +462,8 @@ def create_eagle3(
 ) -> Eagle3Draft:
     """A randomly initialised EAGLE-3 draft, born sharded over `mesh` (as `models.create`)."""
     make = lambda: Eagle3Draft(config, rngs=nnx.Rngs(seed), mesh=mesh, target_ids=target_ids)
-    return create_sharded(make, mesh)
+    ids = None if target_ids is None else (np.shape(target_ids), *np.ravel(target_ids).tolist())
+    return create_sharded(make, mesh, (Eagle3Draft, config, seed, ids))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,4 +132,5 @@ class MTPDraft(TargetVocabulary, OneLayerDraft):
 
 def create_mtp(config: MTPConfig, *, mesh: Mesh | None = None, seed: int = 0) -> MTPDraft:
     """A randomly initialised MTP head, born sharded over `mesh` (as `models.create`)."""
-    return create_sharded(lambda: MTPDraft(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+    make = lambda: MTPDraft(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    return create_sharded(make, mesh, (MTPDraft, config, seed))

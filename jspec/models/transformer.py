@@ -580,12 +580,21 @@ def create(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0) -> T
     Initialisation runs under `jit` with the parameters' shardings as outputs, so no device ever
     holds the whole model, and the values do not depend on the mesh.
     """
-    return create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+    make = lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh)
+    return create_sharded(make, mesh, (Transformer, config, seed))
 
 
-def create_sharded(make, mesh: Mesh | None):
-    """The module `make()` builds, initialised under `jit` straight into its parameters'
-    shardings over `mesh` (None: default placement)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    out = None if mesh is None else param_shardings(abstract, mesh)
-    return nnx.merge(graphdef, jax.jit(lambda: nnx.state(make()), out_shardings=out)())
+@functools.lru_cache(maxsize=16)
+def _init_slot(key, mesh: Mesh | None) -> dict:
+    return {}  # create_sharded's init of `key`: repeated runs in a process compile it once
+
+
+def create_sharded(make, mesh: Mesh | None, key=None):
+    """The module `make()` builds, initialised under `jit` straight into its parameters' shardings
+    over `mesh` (None: default placement); calls of one `key` (what `make` reads) share the init."""
+    slot = {} if key is None else _init_slot(key, mesh)
+    if not slot:
+        graphdef, abstract = nnx.split(nnx.eval_shape(make))
+        out = None if mesh is None else param_shardings(abstract, mesh)
+        slot.update(graphdef=graphdef, init=jax.jit(lambda: nnx.state(make()), out_shardings=out))
+    return nnx.merge(slot["graphdef"], slot["init"]())

@@ -2,12 +2,16 @@
 
 The policy and draft parameters are plain nested dicts (`nnx.to_pure_dict`), so optax, orbax and
 `jit` see ordinary pytrees; `Networks` holds the static rest (graph definitions, the draft's
-vocabulary map) and turns parameters back into modules inside `jit`. The sampler reads the same
-TrainState the train step writes: there is no weight sync.
+vocabulary map) and turns parameters back into modules inside `jit` (the train step takes the
+vocabulary map as an argument, `Networks.rests`, so that runs of other maps share its program).
+The sampler reads the same TrainState the train step writes: there is no weight sync.
 
 Optimizers (`adamw`, both training jobs'): one `optax.multi_transform` with a group per parameter
 set (`Group`), each with its own learning rate, gradient clipping, weight decay and optional
 warmup-cosine schedule over its steps (the draft's gradients are clipped apart from the policy's).
+Equal groups give the same optax object, so that repeated runs in one process (tests, notebooks,
+the experiment driver) reuse the programs compiled for it: `jit(tx.init)` and the train step
+(`jspec.rl.train.make_train_step`, whose cache key holds the optimizer).
 `optimizer` gives an RL run's groups (the `rl` config); `jspec.jobs.train_code_lm` makes one group
 per stage. A frozen draft is not in the optimizer at all.
 
@@ -22,6 +26,7 @@ Checkpoints of a TrainState: `jspec.rl.checkpoints.Checkpoints`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -47,7 +52,7 @@ class TrainState(NamedTuple):
 class _Net(NamedTuple):
     graphdef: Any
     treedef: Any  # of the nnx.State of its parameters
-    rest: Any  # non-parameter state (the draft's vocabulary map), constant
+    rest: Any  # non-parameter state (the draft's vocabulary map), constant over a run
 
     def merge(self, params):
         state = jax.tree.unflatten(self.treedef, jax.tree.leaves(params))
@@ -78,6 +83,20 @@ class Networks:
         """(policy, draft or None) as modules, from params."""
         draft = None if self.draft is None else self.draft.merge(params["draft"])
         return self.policy.merge(params["policy"]), draft
+
+    def rests(self) -> dict:
+        """The non-parameter state of each network, for a jitted program to take as an argument
+        (`with_rests` inside it) rather than close over as a constant of its own."""
+        return {
+            "policy": self.policy.rest,
+            "draft": None if self.draft is None else self.draft.rest,
+        }
+
+    def with_rests(self, rests: dict) -> Networks:
+        """These networks with `rests` (of `rests()`'s structure) as their non-parameter state."""
+        net = lambda n, rest: None if n is None else n._replace(rest=rest)
+        policy, draft = net(self.policy, rests["policy"]), net(self.draft, rests["draft"])
+        return dataclasses.replace(self, policy=policy, draft=draft)
 
     def shardings(self, params: dict) -> dict:
         """NamedShardings of params by their logical axes (`jspec.mesh.RULES`)."""
@@ -114,13 +133,19 @@ class Group(NamedTuple):
 
 def adamw(groups: dict[str, Group]):
     """The optimizer of parameters `{group name: params}`: one multi_transform over the groups,
-    each AdamW after clipping its own gradients by their global norm."""
+    each AdamW after clipping its own gradients by their global norm. Equal groups (in the same
+    order) give the same object: see the module's docstring."""
+    return _adamw(tuple(groups.items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _adamw(groups: tuple[tuple[str, Group], ...]):
     transforms = {
         name: optax.chain(
             optax.clip_by_global_norm(g.max_grad_norm),
             optax.adamw(g.rate(), weight_decay=g.weight_decay),
         )
-        for name, g in groups.items()
+        for name, g in groups
     }
     labels = lambda params: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
     return optax.multi_transform(transforms, labels)

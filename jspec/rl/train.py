@@ -9,9 +9,20 @@
 The policy runs once: the draft reads its taps and logits, never calls it again (a test counts the
 dot operations), and never back-propagates into it. With the draft frozen, only its trunk pass
 runs (forward only), for the agreement metric; without a draft, nothing of it is traced.
+
+Repeated runs in one process (tests, notebooks, the experiment driver) reuse the compiled step:
+`make_train_step` keeps the jitted steps of the process (the last `CACHED_STEPS`; `clear_cache`
+empties it) by everything the traced program depends on: the networks' graph definitions and
+parameter structures, the mesh, the state's shardings, the optimizer (`jspec.rl.state.adamw`
+gives equal hyperparameters one object), the trained groups, the objective, the sequence count,
+and every field of the RL and rollout configs but those of `UNREAD`. The networks' non-parameter
+state (the draft's vocabulary map) is an argument of the program, not a constant in it.
 """
 
 from __future__ import annotations
+
+import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +35,34 @@ from jspec.rl import grpo
 from jspec.rl.draft_loss import draft_loss
 from jspec.rl.packing import PackedBatch
 from jspec.rl.state import Networks, TrainState, placement
+
+# Config fields the train step never reads: how long a run lasts and where it saves, the task and
+# the tokenizer, how rollouts are scheduled and decoded. Runs that differ only in these share a
+# compiled step; every other field is in its cache key, read by the step or not (a field wrongly
+# here would give a run another's program; one wrongly absent only compiles the step again).
+UNREAD = {
+    RLConfig: (
+        "task",
+        "policy",
+        "tokenizer",
+        "eos_token",
+        "steps",
+        "sft_steps",
+        "save_every",
+        "samples_every",
+        "keep_checkpoints",
+        "max_lag",
+        "tree_costs",
+    ),
+    RolloutConfig: ("max_new_tokens", "eos_id", "tree", "rows", "refill_rows", "buckets"),
+}
+CACHED_STEPS = 16
+_steps: collections.OrderedDict = collections.OrderedDict()  # key -> jitted step, last used last
+
+
+def clear_cache() -> None:
+    """Forgets every compiled train step of the process (see the module's docstring)."""
+    _steps.clear()
 
 
 def make_loss(
@@ -113,11 +152,17 @@ def make_train_step(
     num_sequences: int,
 ):
     """A jitted `step(state, batch) -> (state, metrics)`: `make_loss`'s gradients, one update of
-    the groups `trained` by `tx` ('policy', and 'draft' when co-trained). `step.lower(state,
-    batch)` lowers it ahead of time (abstract arrays are enough: `jspec.jobs.plan`)."""
-    losses = make_loss(networks, rl, rollout, objective=objective, num_sequences=num_sequences)
+    the groups `trained` by `tx` ('policy', and 'draft' when co-trained), the state left placed as
+    it came. The program is compiled once for the first state's placement, and shared with the
+    steps of earlier runs of the process that trace the same program (the module's docstring).
+    `step.lower(state, batch)` lowers it ahead of time (abstract arrays are enough:
+    `jspec.jobs.plan`)."""
+    key = (_networks_key(networks), tx, tuple(trained), objective, num_sequences)
+    key += (_read_fields(rl), _read_fields(rollout))
 
-    def step(state: TrainState, batch: PackedBatch):
+    def step(state: TrainState, batch: PackedBatch, rests):
+        nets = networks.with_rests(rests)
+        losses = make_loss(nets, rl, rollout, objective=objective, num_sequences=num_sequences)
         trainable = {k: state.params[k] for k in trained}
         fixed = {k: v for k, v in state.params.items() if k not in trained}
         grads, metrics = jax.grad(losses, has_aux=True)(trainable, fixed, state.reference, batch)
@@ -125,21 +170,62 @@ def make_train_step(
             metrics[f"{name}_grad_norm"] = optax.tree.norm(g)
         return apply_gradients(tx, state, grads), metrics
 
-    compiled = {}
+    def keep(state: TrainState):
+        return None if networks.mesh is None else placement(state, networks.mesh)
 
-    def jitted(state: TrainState):
-        keep = None if networks.mesh is None else placement(state, networks.mesh)
-        return jax.jit(step, out_shardings=(keep, None), donate_argnums=0)
+    compiled, rests = {}, networks.rests()
 
     def run(state: TrainState, batch: PackedBatch):
-        """The jitted step; the state leaves it placed as it came (one compilation per run)."""
+        """The jitted step (looked up once a run)."""
         if "step" not in compiled:
-            compiled["step"] = jitted(state)
-        return compiled["step"](state, batch)
+            shardings = keep(state)
+            compiled["step"] = _cached(
+                (*key, *_flat(shardings)),
+                lambda: jax.jit(step, out_shardings=(shardings, None), donate_argnums=0),
+            )
+        return compiled["step"](state, batch, rests)
 
-    # Ahead of time, from abstract arrays with shardings (jspec.jobs.plan): run.lower(state, batch).
-    run.lower = lambda state, batch: jitted(state).lower(state, batch)
+    # Ahead of time, the constants closed over: a program of (state, batch), as `run` is.
+    run.lower = lambda state, batch: jax.jit(
+        lambda state, batch: step(state, batch, rests),
+        out_shardings=(keep(state), None),
+        donate_argnums=0,
+    ).lower(state, batch)
     return run
+
+
+def _cached(key, make):
+    """The jitted step of `key`, made by `make()` on a miss; the least recently used goes when
+    more than CACHED_STEPS are kept."""
+    if key in _steps:
+        _steps.move_to_end(key)
+    else:
+        _steps[key] = make()
+        while len(_steps) > CACHED_STEPS:
+            _steps.popitem(last=False)
+    return _steps[key]
+
+
+def _networks_key(networks: Networks):
+    """What the step's program depends on of `networks`: not the values of their non-parameter
+    state (an argument of the program), only its structure."""
+    net = lambda n: None if n is None else (n.graphdef, n.treedef, jax.tree.structure(n.rest))
+    return net(networks.policy), net(networks.draft), networks.mesh
+
+
+def _read_fields(config):
+    """(type, (name, value) of each field of `config` not in UNREAD): hashable."""
+    unread = UNREAD[type(config)]
+    fields = dataclasses.fields(config)
+    return type(config), tuple(
+        (f.name, getattr(config, f.name)) for f in fields if f.name not in unread
+    )
+
+
+def _flat(tree) -> tuple:
+    """A tree of shardings (or None) as a hashable (treedef, leaves...)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, *leaves)
 
 
 def _draft_rows(rows: int, mesh, taps, *arrays):

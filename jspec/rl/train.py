@@ -11,7 +11,7 @@ dot operations), and never back-propagates into it. With the draft frozen, only 
 runs (forward only), for the agreement metric; without a draft, nothing of it is traced.
 
 Repeated runs in one process (tests, notebooks, the experiment driver) reuse the compiled step:
-`make_train_step` keeps the jitted steps of the process (the last `CACHED_STEPS`; `clear_cache`
+`make_train_step` keeps the jitted steps of the process (the last 16 used; `clear_cache`
 empties it) by everything the traced program depends on: the networks' graph definitions and
 parameter structures, the mesh, the state's shardings, the optimizer (`jspec.rl.state.adamw`
 gives equal hyperparameters one object), the trained groups, the objective, the sequence count,
@@ -21,8 +21,8 @@ state (the draft's vocabulary map) is an argument of the program, not a constant
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +56,16 @@ UNREAD = {
     ),
     RolloutConfig: ("max_new_tokens", "eos_id", "tree", "rows", "refill_rows", "buckets"),
 }
-CACHED_STEPS = 16
-_steps: collections.OrderedDict = collections.OrderedDict()  # key -> jitted step, last used last
+
+
+@functools.lru_cache(maxsize=16)
+def _step_slot(key) -> dict:
+    return {}  # the jitted step of `key`, shared by the runs of a process that trace its program
 
 
 def clear_cache() -> None:
     """Forgets every compiled train step of the process (see the module's docstring)."""
-    _steps.clear()
+    _step_slot.cache_clear()
 
 
 def make_loss(
@@ -179,10 +182,10 @@ def make_train_step(
         """The jitted step (looked up once a run)."""
         if "step" not in compiled:
             shardings = keep(state)
-            compiled["step"] = _cached(
-                (*key, *_flat(shardings)),
-                lambda: jax.jit(step, out_shardings=(shardings, None), donate_argnums=0),
-            )
+            slot = _step_slot((*key, *_flat(shardings)))
+            if "step" not in slot:
+                slot["step"] = jax.jit(step, out_shardings=(shardings, None), donate_argnums=0)
+            compiled["step"] = slot["step"]
         return compiled["step"](state, batch, rests)
 
     # Ahead of time, the constants closed over: a program of (state, batch), as `run` is.
@@ -192,18 +195,6 @@ def make_train_step(
         donate_argnums=0,
     ).lower(state, batch)
     return run
-
-
-def _cached(key, make):
-    """The jitted step of `key`, made by `make()` on a miss; the least recently used goes when
-    more than CACHED_STEPS are kept."""
-    if key in _steps:
-        _steps.move_to_end(key)
-    else:
-        _steps[key] = make()
-        while len(_steps) > CACHED_STEPS:
-            _steps.popitem(last=False)
-    return _steps[key]
 
 
 def _networks_key(networks: Networks):

@@ -70,8 +70,8 @@ def test_ratio_uses_the_log_probabilities_of_the_weights_that_generated_the_batc
 
     def logprobs(params, batch):
         policy, _ = nets.models({"policy": params})
-        logits = policy(batch.tokens, batch.segment_ids, batch.positions)
-        return grpo.token_logprobs(logits, batch.tokens, cfg.rollout.temperature)
+        hidden = policy(*batch[:3], head=False)
+        return grpo.token_logprobs(hidden, policy.head[...], batch.tokens, cfg.rollout.temperature)
 
     for n in (1, 2, len(rows) - 1):
         batch = jax.tree.map(jnp.asarray, seen[n].batch)

@@ -99,6 +99,8 @@ def test_dotted_overrides():
         (["rl.max_grad_norm=-1"], r"rl.max_grad_norm=-1.0 must be > 0"),  # else gradient ascent
         (["rl.draft_max_grad_norm=0"], r"rl.draft_max_grad_norm=0.0 must be > 0"),
         (["rl.keep_checkpoints=0"], r"rl.keep_checkpoints=0 must be >= 1"),
+        (["rl.vocab_chunks=0"], r"rl.vocab_chunks=0 must be >= 1"),
+        (["rl.vocab_chunks=7"], r"rl.vocab_chunks=7 does not divide the vocabulary of 256 ids"),
         (["model.rope_theta=-1"], r"model.rope_theta=-1.0 must be a finite number > 0"),
         (["model.rms_norm_eps=0"], r"model.rms_norm_eps=0.0 must be a finite number > 0"),
         (["rl.learning_rate=.inf"], r"rl.learning_rate=inf must be > 0 and finite"),

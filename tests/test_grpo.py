@@ -59,10 +59,10 @@ def test_kl_penalty_is_k3_and_masked():
 
 def test_token_logprobs_shift_and_temperature():
     logits = jnp.log(jnp.array([[[0.1, 0.9], [0.6, 0.4], [0.5, 0.5]]]))
-    tokens = jnp.array([[0, 1, 0]])
-    got = grpo.token_logprobs(logits, tokens, temperature=1.0)
+    tokens, identity = jnp.array([[0, 1, 0]]), jnp.eye(2)  # a head that reads logits as they are
+    got = grpo.token_logprobs(logits, identity, tokens, temperature=1.0)
     np.testing.assert_allclose(got, np.log([[1.0, 0.9, 0.6]]), rtol=1e-6)
-    hot = grpo.token_logprobs(logits, tokens, temperature=2.0)
+    hot = grpo.token_logprobs(logits, identity, tokens, temperature=2.0, chunks=2)
     p = np.sqrt([0.1, 0.9]) / np.sqrt([0.1, 0.9]).sum()
     np.testing.assert_allclose(hot[0, 1], np.log(p[1]), rtol=1e-6)
 

@@ -109,12 +109,14 @@ def test_training_time_test_passes_are_the_draft_at_inference(kind):
 
 
 @functools.cache
-def loss_and_gradients(context: int, kind: str = "eagle3"):
+def loss_and_gradients(context: int, kind: str = "eagle3", tensor: int = 1, vocab_chunks: int = 1):
     """Policy and draft losses and gradients of one packed batch on a mesh with `context` ranks
     (and data=2), documents aligned for cp = 4 so every mesh reads the same rows."""
-    mesh = mesh_lib.make_mesh(MeshConfig(data=2, context=context), jax.devices()[: 2 * context])
+    axes = MeshConfig(data=2, context=context, tensor=tensor)
+    mesh = mesh_lib.make_mesh(axes, jax.devices()[: 2 * context * tensor])
     nets, params = networks(mesh, kind)
-    loss = make_loss(nets, RL, ROLLOUT, num_sequences=8)
+    rl = dataclasses.replace(RL, vocab_chunks=vocab_chunks)
+    loss = make_loss(nets, rl, ROLLOUT, num_sequences=8)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     grads, metrics = jax.jit(jax.grad(loss, has_aux=True))(
         params, {}, None, jax.device_put(packed(align=8), rows)
@@ -135,6 +137,16 @@ def loss_and_gradients(context: int, kind: str = "eagle3"):
 )
 def test_context_parallel_draft_loss_and_gradients_equal_one_rank(cp, kind):
     (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1, kind), loss_and_gradients(cp, kind)
+    close(dc, d1)
+    close(pc, p1)
+    close_trees(gc, g1)
+
+
+def test_the_policy_head_over_vocabulary_slices_gives_the_whole_heads_losses_and_gradients():
+    """rl.vocab_chunks: the policy's log-probabilities with the head over 4 slices of the
+    vocabulary, split over tensor=2 and context=2, give one rank's losses and gradients (the
+    draft's teacher reads the policy's hidden states either way)."""
+    (g1, d1, p1), (gc, dc, pc) = loss_and_gradients(1), loss_and_gradients(2, "eagle3", 2, 4)
     close(dc, d1)
     close(pc, p1)
     close_trees(gc, g1)
@@ -192,17 +204,15 @@ def test_draft_adds_only_its_own_dot_operations(kind):
     without, _, _ = step_dots(None)
     with_draft, nets, params = step_dots(kind)
     policy, draft = nets.models(params)
-    logits, taps = jax.eval_shape(
-        lambda: policy(batch.tokens, batch.segment_ids, batch.positions, features=draft.features)
-    )
+    hidden, taps = jax.eval_shape(lambda: policy(*batch[:3], features=draft.features, head=False))
 
-    def own(draft_params, shared, taps, logits):
+    def own(draft_params, shared, taps, hidden):
         draft = nets.draft.merge(draft_params)
         rows = (batch.tokens, batch.segment_ids, batch.positions, batch.response)
         ttt = dict(steps=rl.ttt_steps, decay=rl.ttt_decay, temperature=ROLLOUT.temperature)
-        return draft_loss(draft, shared, taps, logits, *rows, **ttt, chunk=rl.loss_chunk).loss
+        return draft_loss(draft, shared, taps, hidden, *rows, **ttt, chunk=rl.loss_chunk).loss
 
-    jaxpr = jax.make_jaxpr(jax.grad(own))(params["draft"], Shared.of(policy), taps, logits)
+    jaxpr = jax.make_jaxpr(jax.grad(own))(params["draft"], Shared.of(policy), taps, hidden)
     draft_dots = count_dots(jaxpr)
     assert draft_dots > 0 and without > 0
     assert with_draft == without + draft_dots, (with_draft, without, draft_dots)

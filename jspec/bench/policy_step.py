@@ -12,8 +12,11 @@ and attention over the pairs a query sees (causal within its document); not the 
 embedding lookup, remat's recomputation or padding. Rows: `--tokens` a row, `--documents` equal
 documents each (a packed training row), `--rows` rows. Random weights in the config's dtypes.
 `--attention pallas` (or `xla`) runs attention in the Triton kernel (XLA's blocks) where "auto"
-would take the Mosaic GPU one, to compare them in the model. `--profile DIR` traces one more step
-a row and prints its GPU kernels by kind and the heaviest. Prints a Markdown table, writes JSON.
+would take the Mosaic GPU one, to compare them in the model. `--vocab-chunks 1 16` times the loss
+with the output head over the whole vocabulary at once and over 16 slices of it
+(`jspec.models.output_head`: less memory, one more product of the head's size). `--profile DIR`
+traces one more step a row and prints its GPU kernels by kind and the heaviest. Prints a Markdown
+table, writes JSON.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--attention", choices=AUTO_KERNELS, default="auto", help="the block kernel on a GPU"
     )
+    p.add_argument(
+        "--vocab-chunks", type=cli.at_least(1), nargs="+", default=[1], help="head slices (rows)"
+    )
     p.add_argument("--iters", type=cli.at_least(1), default=5)
     p.add_argument("--ceiling", type=cli.positive, default=MATMUL_CEILING, help="matmul FLOP/s")
     p.add_argument("--profile", metavar="DIR", help="also trace each step's GPU kernels")
@@ -91,35 +97,38 @@ def packed_rows(cfg: ModelConfig, rows: int, tokens: int, documents: int):
     return ids, *(np.broadcast_to(x, (rows, tokens)) for x in (segment_ids, positions))
 
 
-def gradient_fn(graphdef):
+def gradient_fn(graphdef, vocab_chunks: int = 1):
     """params, tokens, segment ids, positions -> the gradient of the mean next-token
-    cross-entropy (a document's first token predicts nothing)."""
+    cross-entropy (a document's first token predicts nothing), the head over `vocab_chunks`
+    slices of the vocabulary at a time."""
 
     def loss(params, tokens, segment_ids, positions):
-        logits = nnx.merge(graphdef, params)(tokens, segment_ids, positions)
-        logp = grpo.token_logprobs(logits, tokens, 1.0)
+        model = nnx.merge(graphdef, params)
+        hidden = model(tokens, segment_ids, positions, head=False)
+        logp = grpo.token_logprobs(hidden, model.head[...], tokens, 1.0, vocab_chunks)
         predicted = (positions > 0) & (segment_ids > 0)
         return -jnp.sum(jnp.where(predicted, logp, 0.0)) / jnp.maximum(predicted.sum(), 1)
 
     return jax.grad(loss)
 
 
-def measure(cfg: ModelConfig, params, graphdef, tokens: int, args) -> dict:
+def measure(cfg: ModelConfig, params, graphdef, tokens: int, chunks: int, args) -> dict:
     """One row of the table: the step's time, model FLOPs and utilization, and the compiled
     program's temporaries."""
     ids, seg, pos = packed_rows(cfg, args.rows, tokens, args.documents)
     inputs = (params, *map(jnp.asarray, (ids, seg, pos)))
-    timed = time_compiled(gradient_fn(graphdef), inputs, args.iters)
+    timed = time_compiled(gradient_fn(graphdef, chunks), inputs, args.iters)
     flops = model_flops(cfg, seg, pos)
     memory = timed.compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
     profiled = {}
     if args.profile:
-        log_dir = f"{args.profile}/{tokens}"
+        log_dir = f"{args.profile}/{tokens}-{chunks}"
         profiled = dict(profile=profile(lambda: timed.compiled(*inputs), log_dir))
     return dict(
         tokens=tokens,
         rows=args.rows,
+        vocab_chunks=chunks,
         ms=timed.ms,
         model_tflop=flops / 1e12,
         tflop_per_s=flops / (timed.ms / 1e3) / 1e12,
@@ -151,20 +160,29 @@ def main(argv=None):
         raise SystemExit(f"--device gpu, but JAX sees {platform}; use --device cpu")
     restrict_auto(args.attention)
     cfg = config_lib.load(args.config, args.overrides).model
+    for n in args.vocab_chunks:
+        if cfg.vocab_size % n:
+            raise ConfigError(
+                f"--vocab-chunks {n} does not divide the vocabulary of {cfg.vocab_size} ids; "
+                "pick divisors of it."
+            )
     graphdef, params = nnx.split(create(cfg))
     count = sum(x.size for x in jax.tree.leaves(params))
     print(
         f"{args.config}: {count / 1e9:.2f}B parameters ({cfg.param_dtype}), {cfg.dtype} "
         f"compute, remat={cfg.remat}, {cfg.num_layers} layers"
     )
-    rows = [measure(cfg, params, graphdef, t, args) for t in args.tokens]
+    rows = [
+        measure(cfg, params, graphdef, t, n, args) for t in args.tokens for n in args.vocab_chunks
+    ]
     print(
-        "| tokens a row | rows | forward + backward | model TFLOP | TFLOP/s | of ceiling | "
-        "temporaries |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "| tokens a row | rows | vocab chunks | forward + backward | model TFLOP | TFLOP/s | "
+        "of ceiling | temporaries |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     for r in rows:
         print(
-            f"| {r['tokens']:,} | {r['rows']} | {r['ms']:.1f} ms | {r['model_tflop']:.2f} | "
+            f"| {r['tokens']:,} | {r['rows']} | {r['vocab_chunks']} | {r['ms']:.1f} ms | "
+            f"{r['model_tflop']:.2f} | "
             f"{r['tflop_per_s']:.1f} | {100 * r['of_ceiling']:.0f}% | {r['temp_gb']:.2f} GB |"
         )
     summary = dict(

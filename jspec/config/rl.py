@@ -78,7 +78,12 @@ class RLConfig:
     along the sequence, on `draft_rows` of the step's training rows (0: all of them; else rows
     spread evenly over each data shard's, rounded up to a multiple of the data shards): the
     draft's passes cost a share of the policy's that grows as the policy is shallower, and a
-    subset of each step's fresh rollouts bounds it.
+    subset of each step's fresh rollouts bounds it. The policy's log-probabilities run the
+    output head over `vocab_chunks` slices of the vocabulary at a time (`jspec.models.output_head`;
+    it must divide the vocabulary): 1 keeps the [B,T,V] logits whole, fastest where they fit;
+    more bound them to 1/vocab_chunks of that for one more product of the head's size in the
+    backward (long rows, large vocabularies). The draft's teacher reads the policy's hidden
+    states, never its logits.
     Policy and draft have their own learning rate and gradient clipping, each reached by a linear
     warmup from 0 over `warmup_steps` of the warm start and again of RL: the optimizer's moments
     start from 0 in each, and Adam's first updates (about the learning rate on every weight,
@@ -137,6 +142,7 @@ class RLConfig:
     ttt_steps: int = 6
     ttt_decay: float = 0.8
     loss_chunk: int = 64
+    vocab_chunks: int = 1
     save_every: int = 10
     samples_every: int = 10
     keep_checkpoints: int = 3
@@ -156,7 +162,8 @@ class RLConfig:
 
     def validate(self, where: str = "rl") -> None:
         self.task.validate(f"{where}.task")
-        for name in ("prompts", "sequences_per_row", "sft_batch", "loss_chunk", "keep_checkpoints"):
+        names = ("prompts", "sequences_per_row", "sft_batch", "loss_chunk", "keep_checkpoints")
+        for name in (*names, "vocab_chunks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 1.")
         if self.group_size < 2:

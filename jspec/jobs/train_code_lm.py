@@ -300,16 +300,17 @@ def target_loss(model, _, batch):
     return loss, loss
 
 
-def draft_loss_of(draft, target, batch, logits, features, ttt_steps: int):
-    """(loss, agreement) of the draft against the target's `logits` and `features` (the draft's
-    kind) on one batch of rows; the target's side detached."""
+def draft_loss_of(draft, target, batch, hidden, features, ttt_steps: int):
+    """(loss, agreement) of the draft against the target's final-normed `hidden` states (its
+    distribution) and `features` (the draft's kind) on one batch of rows; the target's side
+    detached."""
     tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
     shared = jax.tree.map(lambda w: w.astype(features.dtype), Shared.of(target))
     out = draft_loss(
         draft,
         shared,
         features,
-        logits,
+        hidden,
         tokens,
         seg,
         pos,
@@ -327,8 +328,8 @@ def draft_loss_fn(ttt_steps: int):
 
     def loss(draft, target, batch):
         tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
-        logits, features = target(tokens, seg, pos, features=draft.features)
-        return draft_loss_of(draft, target, batch, logits, features, ttt_steps)
+        hidden, features = target(tokens, seg, pos, features=draft.features, head=False)
+        return draft_loss_of(draft, target, batch, hidden, features, ttt_steps)
 
     return loss
 
@@ -348,7 +349,7 @@ def joint_loss_fn(weight: float, ttt_steps: int):
         tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
         logits, final = module.target(tokens, seg, pos, features="final")
         lm = lm_loss(logits, batch)
-        head, _ = draft_loss_of(module.head, module.target, batch, logits, final, ttt_steps)
+        head, _ = draft_loss_of(module.head, module.target, batch, final[0], final, ttt_steps)
         return lm + weight * head, lm
 
     return loss

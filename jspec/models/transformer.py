@@ -41,6 +41,7 @@ from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
 from jspec.attention.zigzag import check_alignment, concrete, mark_misaligned
 from jspec.config import ConfigError, KernelConfig, ModelConfig
+from jspec.models import output_head
 from jspec.models.cache import KV, CacheWriter, KVCache, TreeKV, cache_attention, last_valid
 from jspec.models.layers import (
     attention_sublayer,
@@ -238,16 +239,16 @@ class Transformer(nnx.Module):
         *,
         features: str | None = None,
         aux_loss: bool = False,
+        head: bool = True,
     ) -> Float[Array, "b t v"] | tuple[Array, ...]:
-        """Logits (float32) of packed rows; with `features`, also what a draft reads of them
-        (`FEATURES`, [F,B,T,D], not detached: the caller stops their gradient); with
-        `aux_loss`, last, the router's load-balancing loss over the non-padding tokens (a scalar,
-        `transformers`' `aux_loss`; 0 without sparse layers): a training loss adds
-        `config.router_aux_loss_coef` times it.
-
-        segment_ids None: one document per row; positions None: 0..T-1 in every row (pass them
-        for packed rows, restarting at each document).
-        """
+        """Logits (float32) of packed rows, or with `head` False the final-normed hidden states
+        [B,T,D] (a loss applies the head: `output_head`); with `features`, also what a draft
+        reads of them (`FEATURES`, [F,B,T,D], not detached: the caller stops their gradient);
+        with `aux_loss`, last, the router's load-balancing loss over the non-padding tokens (a
+        scalar, `transformers`' `aux_loss`; 0 without sparse layers), of which a training loss
+        adds `config.router_aux_loss_coef` times. segment_ids None: one document per row;
+        positions None: 0..T-1 in every row (pass them for packed rows, restarting at each
+        document)."""
         b, t = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
@@ -284,11 +285,11 @@ class Transformer(nnx.Module):
             x_BTD = natural(mark_misaligned(x_BTD, natural_seg, cp))
             taps_ = [natural(x) for x in taps_]
         normed_BTD = self._final(x_BTD)
-        logits = self._head(normed_BTD, TRAIN_ACT)
-        out = (logits, *self._features(features, taps_, normed_BTD))
+        out = (self._head(normed_BTD, TRAIN_ACT) if head else normed_BTD,)
+        out += self._features(features, taps_, normed_BTD)
         if aux_loss:
             out += (jnp.zeros(()) if stats is None else load_balancing_loss(stats),)
-        return out if len(out) > 1 else logits
+        return out if len(out) > 1 else out[0]
 
     # -- rollout -------------------------------------------------------------------------------
 
@@ -464,9 +465,7 @@ class Transformer(nnx.Module):
 
     def _head(self, normed_BTD, act):
         """Logits (float32) of final-normed hidden states."""
-        w_VD = self.head[...].astype(normed_BTD.dtype)
-        logits = jnp.einsum("btd,vd->btv", normed_BTD, w_VD, preferred_element_type=jnp.float32)
-        return self._constrain(logits, (*act, "act_vocab"))
+        return self._constrain(output_head.logits(normed_BTD, self.head[...]), (*act, "act_vocab"))
 
     @property
     def head(self) -> nnx.Param:

@@ -11,8 +11,10 @@ whose queries are pass i's only (`query_nodes`), the trunk query None. Memory is
 
 The teacher is the detached policy distribution at the sampling temperature, restricted to the
 draft vocabulary and renormalised there; the loss of pass i is the soft cross-entropy over the
-response tokens, weighted decay**i. Logits over the vocabulary are made chunk by chunk along the
-sequence (rematerialised in the backward pass), never for the whole batch at once.
+response tokens, weighted decay**i. The teacher's logits come from the policy's final-normed hidden
+states and the rows of its head the draft vocabulary holds (never the policy's logits over the
+whole vocabulary); teacher's and draft's are made chunk by chunk along the sequence
+(rematerialised in the backward pass), never for the whole batch at once.
 
 A block draft (`jspec.models.block`, DFlash style) is trained by the same loss on other passes
 (`block_passes`): its block after every trunk token t (the root token t + 1, masks after it) is one
@@ -37,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jspec import mesh as mesh_lib
 from jspec.attention import Branch, attention, zigzag_shard, zigzag_unshard
 from jspec.attention.parallel import sharded_ring
+from jspec.models import output_head
 from jspec.models.block import BlockDraft
 from jspec.models.draft import OneLayerDraft, Shared
 from jspec.models.layers import rope_angles
@@ -208,9 +211,11 @@ def pass_targets(
     return shift(response, 2 + i, False) & same_doc & (segment_ids != 0)
 
 
-def _soft_cross_entropy(draft, shared, hidden, teacher_logits, mask, offset, temperature, chunk):
+def _soft_cross_entropy(draft, shared, hidden, teacher_hidden, mask, offset, temperature, chunk):
     """Sums over `mask` of the soft cross-entropy and of top-1 agreement, chunk by chunk: draft
-    logits of hidden[t] against the teacher at t + offset (restricted to the draft vocabulary)."""
+    logits of hidden[t] against the teacher at t + offset (the policy's head over the draft
+    vocabulary, on its hidden state there)."""
+    head_VD = draft.from_target_vocab(shared.head.T).T.astype(teacher_hidden.dtype)
     b, t, _ = hidden.shape
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -221,7 +226,7 @@ def _soft_cross_entropy(draft, shared, hidden, teacher_logits, mask, offset, tem
     def one(c):
         start = c * chunk
         rows = jnp.minimum(start + offset + jnp.arange(chunk), t - 1)
-        teacher = draft.from_target_vocab(jnp.take(teacher_logits, rows, axis=1)) / temperature
+        teacher = output_head.logits(jnp.take(teacher_hidden, rows, axis=1), head_VD, temperature)
         h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
         logits = draft.draft_logits(h, shared)
         m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
@@ -238,7 +243,7 @@ def draft_loss(
     draft: OneLayerDraft | BlockDraft,
     shared: Shared,
     taps: Float[Array, "taps b t d"],
-    teacher_logits: Float[Array, "b t v"],
+    teacher_hidden: Float[Array, "b t d"],
     tokens: Int[Array, "b t"],
     segment_ids: Int[Array, "b t"],
     positions: Int[Array, "b t"],
@@ -253,7 +258,7 @@ def draft_loss(
     """The training-time-test loss (module docstring), or a block draft's block loss (every
     block position scored; with `steps=0`, a frozen draft's metric, the first alone). Inputs are
     detached here: the draft never back-propagates into the policy."""
-    shared, taps, teacher_logits = jax.lax.stop_gradient((shared, taps, teacher_logits))
+    shared, taps, teacher_hidden = jax.lax.stop_gradient((shared, taps, teacher_hidden))
     if isinstance(draft, BlockDraft):  # every block position; with steps=0 the first alone
         hiddens = block_passes(draft, shared, taps, tokens, segment_ids, positions, mesh)
         hiddens = hiddens if steps else hiddens[:1]
@@ -264,7 +269,7 @@ def draft_loss(
         mask = pass_targets(response, segment_ids, i)
         count = jnp.maximum(mask.sum(), 1)
         ce, agree = _soft_cross_entropy(
-            draft, shared, hidden, teacher_logits, mask, 1 + i, temperature, chunk
+            draft, shared, hidden, teacher_hidden, mask, 1 + i, temperature, chunk
         )
         losses.append(ce / count)
         agreement = agree / count if i == 0 else agreement

@@ -12,7 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
+
+from jspec.models import output_head
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
@@ -25,16 +28,22 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) ->
 
 
 def token_logprobs(
-    logits: Float[Array, "b t v"], tokens: Int[Array, "b t"], temperature: float
+    hidden: Float[Array, "b t d"],
+    head: Float[Array, "v d"],
+    tokens: Int[Array, "b t"],
+    temperature: float,
+    chunks: int = 1,
+    mesh: Mesh | None = None,
 ) -> Float[Array, "b t"]:
-    """log p(token j | tokens before j) under the sampling temperature, at token j (0 at j = 0).
+    """log p(token j | tokens before j) under the sampling temperature, at token j (0 at j = 0),
+    from the policy's final-normed hidden states and its output head [V, D], `chunks` slices of
+    the vocabulary at a time (`output_head`: the [B,T,V] logits never exist whole for chunks > 1).
 
-    Logits at j - 1 predict token j; the caller masks tokens that start a document. The tokens
-    are shifted, not the logits: [B,T,V] is the largest array of the train step, and under context
-    parallelism its sequence axis is sharded, where a shift would move all of it."""
-    scaled = logits / temperature
-    successor = jnp.maximum(jnp.roll(tokens, -1, axis=1), 0)[..., None]
-    picked = jnp.take_along_axis(scaled, successor, -1)[..., 0] - jax.nn.logsumexp(scaled, -1)
+    Position j - 1 predicts token j; the caller masks tokens that start a document. The tokens
+    are shifted, not the hidden states: under context parallelism their sequence axis is
+    sharded, where a shift would move all of it."""
+    successor = jnp.maximum(jnp.roll(tokens, -1, axis=1), 0)
+    picked = output_head.token_logprobs(hidden, head, successor, temperature, chunks, mesh)
     return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
 
 

@@ -82,13 +82,19 @@ def make_loss(
     batch's sequence count (for sequence-level normalisation)."""
     temperature = rollout.temperature
 
+    def logprobs(policy, hidden, tokens):
+        head, chunks = policy.head[...], rl.vocab_chunks
+        return grpo.token_logprobs(hidden, head, tokens, temperature, chunks, networks.mesh)
+
     def losses(trainable, fixed, reference, batch: PackedBatch):
         params = {**trainable, **jax.tree.map(jax.lax.stop_gradient, fixed)}
         policy, draft = networks.models(params)
         features = None if draft is None else draft.features
-        out = policy(batch.tokens, batch.segment_ids, batch.positions, features=features)
-        logits, taps = out if draft is not None else (out, None)
-        logp = grpo.token_logprobs(logits, batch.tokens, temperature)
+        out = policy(
+            batch.tokens, batch.segment_ids, batch.positions, features=features, head=False
+        )
+        hidden, taps = out if draft is not None else (out, None)
+        logp = logprobs(policy, hidden, batch.tokens)
         if objective == "sft":
             loss, metrics = grpo.sft_loss(logp, batch.response)
         else:
@@ -102,7 +108,7 @@ def make_loss(
                 clip_epsilon=rl.clip_epsilon,
                 normalization=rl.normalization,
                 kl_coef=rl.kl_coef,
-                ref_logprobs=_reference_logprobs(networks, reference, batch, temperature),
+                ref_logprobs=_reference_logprobs(networks, reference, batch, logprobs),
             )
         metrics["policy_loss"] = loss
         if draft is None:
@@ -115,7 +121,7 @@ def make_loss(
                 rows,
                 networks.mesh,
                 taps,
-                logits,
+                hidden,
                 batch.tokens,
                 batch.segment_ids,
                 batch.positions,
@@ -231,10 +237,11 @@ def _draft_rows(rows: int, mesh, taps, *arrays):
     return (jax.vmap(pick)(taps), *map(pick, arrays))
 
 
-def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, temperature):
+def _reference_logprobs(networks: Networks, reference, batch: PackedBatch, logprobs):
     """The frozen reference policy's log-probabilities (None without a reference)."""
     if reference is None:
         return None
     ref = networks.policy.merge(jax.lax.stop_gradient(reference))
-    logits = ref(batch.tokens, batch.segment_ids, batch.positions)
-    return grpo.token_logprobs(logits, batch.tokens, temperature)
+    return logprobs(
+        ref, ref(batch.tokens, batch.segment_ids, batch.positions, head=False), batch.tokens
+    )

@@ -211,36 +211,32 @@ def pass_targets(
     return shift(response, 2 + i, False) & same_doc & (segment_ids != 0)
 
 
-def _soft_cross_entropies(draft, shared, hiddens, teacher_hidden, masks, temperature, chunk):
-    """Per pass i, sums over masks[i] of the soft cross-entropy and of top-1 agreement, chunk by
-    chunk: draft logits of hiddens[i][t] against the teacher at t + 1 + i (the policy's head over
-    the draft vocabulary, on its hidden state there). A chunk's teacher rows of every pass are
-    one window, so the teacher's head runs about once over the sequence, not once a pass."""
+def _soft_cross_entropy(draft, shared, hidden, teacher_hidden, mask, offset, temperature, chunk):
+    """Sums over `mask` of the soft cross-entropy and of top-1 agreement, chunk by chunk: draft
+    logits of hidden[t] against the teacher at t + offset (the policy's head over the draft
+    vocabulary, on its hidden state there)."""
     head_VD = draft.from_target_vocab(shared.head.T).T.astype(teacher_hidden.dtype)
-    b, t, _ = teacher_hidden.shape
-    n, passes = -(-t // chunk), len(hiddens)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - t), *((0, 0),) * (x.ndim - 2)))  # noqa: E731
-    hiddens, masks = [pad(h) for h in hiddens], [pad(m) for m in masks]
+    b, t, _ = hidden.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, pad)))
 
     @jax.checkpoint
     def one(c):
         start = c * chunk
-        rows = jnp.minimum(start + 1 + jnp.arange(chunk + passes - 1), t - 1)
-        window = output_head.logits(jnp.take(teacher_hidden, rows, axis=1), head_VD, temperature)
-        out = []
-        for i, (hidden, mask) in enumerate(zip(hiddens, masks, strict=True)):
-            teacher = window[:, i : i + chunk]
-            h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
-            logits = draft.draft_logits(h, shared)
-            m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
-            p = jax.nn.softmax(teacher, axis=-1)
-            ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-            agree = jnp.argmax(logits, axis=-1) == jnp.argmax(teacher, axis=-1)
-            out.append((jnp.sum(jnp.where(m, ce, 0.0)), jnp.sum(m & agree)))
-        return jnp.asarray([o[0] for o in out]), jnp.asarray([o[1] for o in out])
+        rows = jnp.minimum(start + offset + jnp.arange(chunk), t - 1)
+        teacher = output_head.logits(jnp.take(teacher_hidden, rows, axis=1), head_VD, temperature)
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
+        logits = draft.draft_logits(h, shared)
+        m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
+        p = jax.nn.softmax(teacher, axis=-1)
+        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        agree = jnp.argmax(logits, axis=-1) == jnp.argmax(teacher, axis=-1)
+        return jnp.sum(jnp.where(m, ce, 0.0)), jnp.sum(m & agree)
 
     ce, agree = jax.lax.map(one, jnp.arange(n))
-    return ce.sum(0), agree.sum(0)
+    return ce.sum(), agree.sum()
 
 
 def draft_loss(
@@ -268,11 +264,15 @@ def draft_loss(
         hiddens = hiddens if steps else hiddens[:1]
     else:
         hiddens = draft_passes(draft, shared, taps, tokens, segment_ids, positions, steps, mesh)
-    masks = [pass_targets(response, segment_ids, i) for i in range(len(hiddens))]
-    ce, agree = _soft_cross_entropies(
-        draft, shared, hiddens, teacher_hidden, masks, temperature, chunk
-    )
-    counts = jnp.maximum(jnp.stack([m.sum() for m in masks]), 1)
-    per_pass = ce / counts
-    weights = decay ** jnp.arange(len(hiddens), dtype=jnp.float32)
-    return DraftLossOut(jnp.sum(weights * per_pass), per_pass, agree[0] / counts[0])
+    losses, agreement = [], None
+    for i, hidden in enumerate(hiddens):
+        mask = pass_targets(response, segment_ids, i)
+        count = jnp.maximum(mask.sum(), 1)
+        ce, agree = _soft_cross_entropy(
+            draft, shared, hidden, teacher_hidden, mask, 1 + i, temperature, chunk
+        )
+        losses.append(ce / count)
+        agreement = agree / count if i == 0 else agreement
+    per_pass = jnp.stack(losses)
+    weights = decay ** jnp.arange(len(losses), dtype=jnp.float32)
+    return DraftLossOut(jnp.sum(weights * per_pass), per_pass, agreement)

@@ -64,9 +64,11 @@ def test_the_benchmark_runs_and_names_tokens_that_do_not_split_into_documents(tm
     policy_step.main([*argv, "--iters", "1", "--out", str(out), "model.num_layers=2"])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["tokens"] == 64 and row["ms"] > 0 and 0 < row["of_ceiling"] < 1
-    assert "| 64 | 1 |" in capsys.readouterr().out
+    assert "| 64 | 1 | 1 |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--tokens 63 is not a multiple of --documents 2"):
         policy_step.parse_args(["--tokens", "63", "--documents", "2"])
+    with pytest.raises(ConfigError, match="--vocab-chunks 7 does not divide the vocabulary of 256"):
+        policy_step.main([*argv, "--vocab-chunks", "4", "7"])
 
 
 def test_the_rl_train_step_splits_into_optimizer_policy_and_draft():

@@ -211,11 +211,11 @@ def pass_targets(
     return shift(response, 2 + i, False) & same_doc & (segment_ids != 0)
 
 
-def _soft_cross_entropy(draft, shared, hidden, teacher_hidden, mask, offset, temperature, chunk):
+def _soft_cross_entropy(draft, shared, hidden, teacher, mask, offset, temperature, chunk):
     """Sums over `mask` of the soft cross-entropy and of top-1 agreement, chunk by chunk: draft
-    logits of hidden[t] against the teacher at t + offset (the policy's head over the draft
-    vocabulary, on its hidden state there)."""
-    head_VD = draft.from_target_vocab(shared.head.T).T.astype(teacher_hidden.dtype)
+    logits of hidden[t] against the teacher at t + offset (`teacher`: the policy's hidden states
+    and the rows of its head the draft vocabulary holds)."""
+    teacher_hidden, head_VD = teacher
     b, t, _ = hidden.shape
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -226,13 +226,13 @@ def _soft_cross_entropy(draft, shared, hidden, teacher_hidden, mask, offset, tem
     def one(c):
         start = c * chunk
         rows = jnp.minimum(start + offset + jnp.arange(chunk), t - 1)
-        teacher = output_head.logits(jnp.take(teacher_hidden, rows, axis=1), head_VD, temperature)
+        z = output_head.logits(jnp.take(teacher_hidden, rows, axis=1), head_VD, temperature)
         h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
         logits = draft.draft_logits(h, shared)
         m = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=1)
-        p = jax.nn.softmax(teacher, axis=-1)
+        p = jax.nn.softmax(z, axis=-1)
         ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-        agree = jnp.argmax(logits, axis=-1) == jnp.argmax(teacher, axis=-1)
+        agree = jnp.argmax(logits, axis=-1) == jnp.argmax(z, axis=-1)
         return jnp.sum(jnp.where(m, ce, 0.0)), jnp.sum(m & agree)
 
     ce, agree = jax.lax.map(one, jnp.arange(n))
@@ -264,12 +264,14 @@ def draft_loss(
         hiddens = hiddens if steps else hiddens[:1]
     else:
         hiddens = draft_passes(draft, shared, taps, tokens, segment_ids, positions, steps, mesh)
+    head_VD = draft.from_target_vocab(shared.head.T).T.astype(teacher_hidden.dtype)
+    teacher = (teacher_hidden, head_VD)  # the policy's distribution over the draft vocabulary
     losses, agreement = [], None
     for i, hidden in enumerate(hiddens):
         mask = pass_targets(response, segment_ids, i)
         count = jnp.maximum(mask.sum(), 1)
         ce, agree = _soft_cross_entropy(
-            draft, shared, hidden, teacher_hidden, mask, 1 + i, temperature, chunk
+            draft, shared, hidden, teacher, mask, 1 + i, temperature, chunk
         )
         losses.append(ce / count)
         agreement = agree / count if i == 0 else agreement

@@ -93,8 +93,7 @@ def parse_args(argv=None):
         help="also time the plain step with other rollout attention: 'blocks' (the block kernels "
         "in place of impl='decode'; they transpose the heads-major cache, a copy per layer), "
         "'xla' (the cache part in XLA, not the Pallas kernel), 'xla-qkv' (the q/k norms, rotary "
-        "and cache writes after the q/k/v product as XLA's fusions, not `qkv_epilogue`), "
-        "'xla-mlp' (XLA's kernels before the MLP's down product, not `swiglu_input`)",
+        "and cache writes after the q/k/v product as XLA's fusions, not `qkv_epilogue`)",
     )
     p.add_argument(
         "--prompts-per-row",
@@ -210,7 +209,6 @@ COMPARED = {
     "blocks": KernelConfig(few_queries=0),
     "xla": KernelConfig(decode_backend="xla"),
     "xla-qkv": KernelConfig(qkv_kernel=False),
-    "xla-mlp": KernelConfig(mlp_kernel=False),
 }
 
 

@@ -183,15 +183,12 @@ class KernelConfig:
     kernel in Pallas' interpreter ('pallas_interpret', 'pallas_tpu_interpret': slow, for tests on
     the CPU). With `qkv_kernel`, where that backend is the Pallas GPU kernel, the q/k norms,
     rotary and cache writes after a layer's fused q/k/v product run as one kernel
-    (`jspec.models.qkv_epilogue`); otherwise as XLA's fusions. With `mlp_kernel`, there too, the
-    MLP's input norm, gate and up products and SwiGLU of up to 64 tokens a step run as one kernel
-    (`jspec.models.swiglu_input`).
+    (`jspec.models.qkv_epilogue`); otherwise as XLA's fusions.
     """
 
     few_queries: int = 64
     decode_backend: str = "auto"
     qkv_kernel: bool = True
-    mlp_kernel: bool = True
 
     def validate(self, where: str = "rollout.kernels") -> None:
         if self.few_queries < 0:

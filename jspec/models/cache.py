@@ -28,7 +28,7 @@ from jspec.attention import Branch, attention
 from jspec.attention.decode import DecodeOptions, attention_backend
 from jspec.attention.zigzag import concrete
 from jspec.config import KernelConfig
-from jspec.models import layers, qkv_epilogue, swiglu_input
+from jspec.models import layers, qkv_epilogue
 
 KV = Float[Array, "l b n kv e"]  # keys or values of N new tokens, every layer
 
@@ -192,11 +192,6 @@ class CacheWriter:
         q, k_i, v_i = self._sharded(finish, *args)
         return self._attend_written(i, q, k_i, v_i)
 
-    def swiglu_input(self, x_BTD, o_BTD, w_gate_up, eps: float):
-        return rollout_swiglu_input(
-            self.mesh, self.kernels, self.cache.k[0].shape[-1], x_BTD, o_BTD, w_gate_up, eps
-        )
-
     def _attend_written(self, i: int, q, k_i, v_i):
         """q against layer i's cache, its new tokens' K/V written (k_i, v_i)."""
         c = self.cache
@@ -236,59 +231,6 @@ def _row_head_axes(mesh: Mesh | None, rows: int) -> tuple | None:
     return tuple(mesh_lib.RULES[n] for n in ("decode_batch", "act_heads", "act_kv_heads"))
 
 
-def rollout_swiglu_input(mesh, kernels, head_dim: int, x_BTD, o_BTD, w_gate_up, eps: float):
-    """(x + o, silu(gate) * up of it over its RMS) by one kernel (`swiglu_input`) for a few
-    tokens where `kernels` run the Pallas GPU kernels (of a cache of this head dim), split over
-    `mesh` as the weights are; None where XLA should run them (`layers.mlp_sublayer`)."""
-    kernels = kernels or KernelConfig()
-    backend = attention_backend(kernels.decode_backend, head_dim)
-    b, t, d = x_BTD.shape
-    axes = _row_head_axes(mesh, b)
-    rows = b if axes is None else b // mesh_lib.axis_size(mesh, "decode_batch")
-    width = w_gate_up.shape[1] // (1 if axes is None else mesh_lib.axis_size(mesh, "mlp"))
-    if not (
-        kernels.mlp_kernel
-        and backend in ("pallas", "pallas_interpret")
-        and swiglu_input.supports(rows * t, d, width)
-        and x_BTD.dtype == o_BTD.dtype == w_gate_up.dtype  # (XLA would promote them)
-    ):
-        return None
-    run = functools.partial(swiglu_input.kernel, eps=eps, interpret=backend == "pallas_interpret")
-    if axes is None:
-        return run(x_BTD, o_BTD, w_gate_up)
-    stream = P(axes[0], None, None)
-    return jax.shard_map(
-        run,
-        mesh=mesh,
-        in_specs=(stream, stream, P(None, mesh_lib.RULES["mlp"], None)),
-        out_specs=(stream, P(axes[0], None, mesh_lib.RULES["act_mlp"])),
-        check_vma=False,
-    )(x_BTD, o_BTD, w_gate_up)
-
-
-class TreeLayer(NamedTuple):
-    """The `attend` of a draft tree's level (one layer: layer `i` of `cache` and of the tree's
-    earlier nodes `tree`), which also runs the MLP's input by kernel (`swiglu_input`), as a
-    `LayerWriter` does."""
-
-    cache: KVCache
-    tree: TreeKV
-    anchor: Int[Array, "b n"]
-    parent: Int[Array, "b n"]
-    mesh: Mesh | None
-    kernels: KernelConfig | None
-    i: int = 0
-
-    def __call__(self, q, k, v):
-        branch = self.tree.branch(self.i, q, k, v, self.anchor, self.parent)
-        return cache_attention(self.cache, self.i, branch, self.mesh, self.kernels)
-
-    def swiglu_input(self, x_BTD, o_BTD, w_gate_up, eps):
-        head_dim = self.cache.k[self.i].shape[-1]
-        args = (x_BTD, o_BTD, w_gate_up, eps)
-        return rollout_swiglu_input(self.mesh, self.kernels, head_dim, *args)
-
-
 class LayerWriter(NamedTuple):
     """Layer `i` of a `CacheWriter`: called with rotated (q, k, v) as `attend`, or given the
     layer's fused q/k/v product by `layers.attention_sublayer` (`from_product`)."""
@@ -301,9 +243,6 @@ class LayerWriter(NamedTuple):
 
     def from_product(self, qkv, rms_input, norm, cos_sin, *, eps):
         return self.writer.attend_product(self.i, qkv, rms_input, norm, cos_sin, eps=eps)
-
-    def swiglu_input(self, x_BTD, o_BTD, w_gate_up, eps):
-        return self.writer.swiglu_input(x_BTD, o_BTD, w_gate_up, eps)
 
 
 def finish_and_write(qkv, rms_input, norm, cos_sin, slot, k_cache, v_cache, *, eps: float):

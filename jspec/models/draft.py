@@ -49,7 +49,7 @@ from jspec.attention import attention
 from jspec.attention.decode import cache_slots
 from jspec.config import ConfigError, KernelConfig, ModelConfig
 from jspec.models import layers
-from jspec.models.cache import CacheWriter, KVCache, TreeKV, TreeLayer, last_valid
+from jspec.models.cache import CacheWriter, KVCache, TreeKV, cache_attention, last_valid
 from jspec.models.transformer import Transformer, check_mesh, create_sharded
 
 Taps = Float[Array, "taps b t d"]
@@ -195,7 +195,11 @@ class OneLayerDraft(nnx.Module):
         self, shared, tokens, parent_hidden, depth, parent, cache, tree: TreeKV, *, kernels=None
     ):
         anchor, positions = _tree_anchor_positions(cache, depth, tokens.shape)
-        attend = TreeLayer(cache, tree, anchor, parent, self.mesh, kernels)
+
+        attend = lambda q, k, v: cache_attention(
+            cache, 0, tree.branch(0, q, k, v, anchor, parent), self.mesh, kernels
+        )
+
         cos_sin = layers.rope_angles(self.config.layer, positions)
         out, (k, v) = self.layer(lookup(shared.embed, tokens), parent_hidden, cos_sin, attend)
         logits = self.to_target_vocab(self.draft_logits(out, shared))
@@ -328,10 +332,11 @@ class Eagle3Draft(OneLayerDraft):
         o_BTD, kv = layers.attention_sublayer(
             h_BT2D, w_qkv, w(self.wo), cos_sin, attend, eps=c.rms_norm_eps
         )
-        residual = normed if self.config.norm_before_residual else hidden_BTD
+        x_BTD = (normed if self.config.norm_before_residual else hidden_BTD) + o_BTD
+        h_BTD, scale = layers.normed_input(x_BTD, self.mlp_norm, c.rms_norm_eps)
         w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
-        args = (self.mlp_norm, w_in, w(self.w_down), attend, c.rms_norm_eps)
-        return layers.mlp_sublayer(residual, o_BTD, *args), kv
+        x_BTD = x_BTD + layers.swiglu(h_BTD, w_in, w(self.w_down), scale)
+        return x_BTD, kv
 
     def draft_logits(self, hidden_BTD, shared: Shared | None = None) -> Float[Array, "b t vd"]:
         """Logits over the draft vocabulary (float32), by the draft's own head (`shared` unused)."""

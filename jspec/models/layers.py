@@ -200,24 +200,6 @@ def swiglu(h_BTD, w_in, w_down, input_scale=None):
     return jnp.einsum(down, jax.nn.silu(g_BTF) * u_BTF, w_down)
 
 
-def mlp_sublayer(residual_BTD, o_BTD, mlp_norm, w_in, w_down, attend, eps: float):
-    """The residual stream after the attention output `o_BTD` and a dense SwiGLU MLP (`mlp_norm`:
-    its input norm's weight, None where folded into `w_in`: `fold_input_norms`). Where the norm
-    is folded and a rollout step's `attend` offers a kernel for it (`swiglu_input`: a
-    `cache.LayerWriter`'s), the residual add, norm, gate and up products and SwiGLU run as one;
-    elsewhere (or where it declines) as XLA's. Shared by the decoder layer and the EAGLE-3 draft's
-    layer."""
-    take = getattr(attend, "swiglu_input", None)
-    if take is not None and mlp_norm is None and not isinstance(w_in, tuple):
-        by_kernel = take(residual_BTD, o_BTD, w_in, eps)
-        if by_kernel is not None:
-            x_BTD, gated_BTF = by_kernel
-            return x_BTD + jnp.einsum("btf,df->btd", gated_BTF, w_down)
-    x_BTD = residual_BTD + o_BTD
-    h_BTD, scale = normed_input(x_BTD, mlp_norm, eps)
-    return x_BTD + swiglu(h_BTD, w_in, w_down, scale)
-
-
 def fold_input_norms(layer, *, attention: bool = True, mlp: bool = True):
     """`layer` (a decoder layer's copy, changed in place, before `fuse_products`) with its input
     norms' weights folded into the products they feed, with `attention` q/k/v, with `mlp`

@@ -48,12 +48,12 @@ from jspec.models.layers import (
     fold_input_norms,
     fuse_products,
     init_param,
-    mlp_sublayer,
     normed_input,
     remat_layer,
     rms_norm,
     rollout_weights,
     rope_angles,
+    swiglu,
 )
 from jspec.models.moe import MoE, load_balancing_loss
 
@@ -173,14 +173,13 @@ class Block(nnx.Module):
         o_BTD, kv = attention_sublayer(
             h_BTD, w_qkv, w(self.wo), cos_sin, attend, input_scale=scale, **norms
         )
-        if self.moe is None:
-            w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
-            args = (self.mlp_norm, w_in, w(self.w_down), attend, c.rms_norm_eps)
-            return mlp_sublayer(x_BTD, o_BTD, *args), kv, None
         x_BTD = x_BTD + o_BTD
-        h_BTD, _ = normed_input(x_BTD, self.mlp_norm, c.rms_norm_eps)
-        y_BTD, stats = self.moe(h_BTD, valid_BT, act)
-        return x_BTD + y_BTD, kv, stats
+        h_BTD, scale = normed_input(x_BTD, self.mlp_norm, c.rms_norm_eps)
+        if self.moe is not None:
+            y_BTD, stats = self.moe(h_BTD, valid_BT, act)
+            return x_BTD + y_BTD, kv, stats
+        w_in = w(self.w_gate_up) if fused else (w(self.w_gate), w(self.w_up))
+        return x_BTD + swiglu(h_BTD, w_in, w(self.w_down), scale), kv, None
 
     def fused(self, constrain) -> Block:
         """A copy of this one-layer block (a slice of the stacks) with its input products fused,

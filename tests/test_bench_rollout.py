@@ -134,6 +134,18 @@ def test_the_census_counts_every_kernel_of_a_loop_body_those_of_several_outputs_
     ]
 
 
+def test_the_census_lists_one_layer_of_the_target_in_order():
+    """Three layers, the first with a kernel hoisted into it and the step's own kernels around
+    them: one layer is the span the once-a-layer kernel starts, without the hoisted one, with a
+    kernel XLA left unnamed (a split-K product's)."""
+    k = lambda name, part="target_forward": kernel_census.Kernel("fusion", name, 8, f"{part}/x")
+    layer = [k("qkv"), k("attend"), kernel_census.Kernel("fusion", "gemm", 8, ""), k("mlp")]
+    step = [k("draw", "draft_tree"), k("hoisted"), *layer * 3, k("accept", "verify")]
+    assert kernel_census.one_layer(step, 3) == layer
+    assert kernel_census.one_layer(step[1:6], 1) == [step[1], *layer[:2], layer[3]]  # the forward
+    assert "one layer of the target, in order:\n  fusion       qkv " in kernel_census.table(step, 3)
+
+
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch, capsys):
     args = bench_rollout.parse_args([*GREEDY_CHECK_ARGS.split(), "--trees", "chain 4"])
     models = bench_rollout.random_models(args, dtype="float32")

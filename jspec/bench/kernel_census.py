@@ -2,10 +2,11 @@
 planner's rollout program (`jspec.jobs.plan`) compiled for a GPU from its description
 (`--gpu-target`, jax's CUDA plugin), each loop body's kernels counted by kind and by part of the
 step (the draft's tree, the target's forward, verification, the caches' advance, the draft's
-extension: named scopes of `jspec.sampler.generation`), and those that write an array as large as a
-weight listed. A decode step of a small model at small batch is bound by its launches and by any
-weight it reads twice, which is what this shows before a profile on the GPU (`jspec.bench.rollout
---profile`) times them. No kernel is autotuned here.
+extension: named scopes of `jspec.sampler.generation`), those that write an array as large as a
+weight listed, and one layer's kernels in the order they run. A decode step of a small model at
+small batch is bound by its launches and by any weight it reads twice, which is what this shows
+before a profile on the GPU (`jspec.bench.rollout --profile`) times them. No kernel is autotuned
+here, and a count is not a time: a kernel that replaces several must also run at their speed.
 
     python -m jspec.bench.kernel_census --config code-1b --batch 1            # plain decoding
     python -m jspec.bench.kernel_census --config code-rl --batch 128 --draft  # the RL rollout
@@ -104,6 +105,20 @@ def part(kernel: Kernel) -> str:
     return next((p for p in PARTS if kernel.jax_op.startswith(p + "/")), "other")
 
 
+def one_layer(kernels: list[Kernel], layers: int) -> list[Kernel]:
+    """The kernels of one layer of the target's forward, in the order they run: the span between
+    two occurrences of the first kernel the forward runs once a layer (its second and third, past
+    what the first layer hoists), kernels XLA left without an op name included; or the whole
+    forward where none repeats so."""
+    forward = [k for k in kernels if part(k) == "target_forward"]
+    counts = collections.Counter(forward)
+    marker = next((k for k in forward if counts[k] == layers > 1), None)
+    if marker is None:
+        return forward
+    at = [i for i, k in enumerate(kernels) if k == marker]
+    return kernels[at[1] : at[2]] if layers > 2 else kernels[at[0] : at[1]]
+
+
 def table(kernels: list[Kernel], layers: int) -> str:
     """Kernels by what they compute (per step and per layer), by part of the step, then the large
     writes."""
@@ -115,6 +130,11 @@ def table(kernels: list[Kernel], layers: int) -> str:
     large = collections.Counter((k.elements, k.jax_op) for k in kernels if k.elements >= LARGE)
     lines.append(f"writes of {LARGE:,} elements or more: {'none' if not large else ''}")
     lines += [f"  {n:5d}  {size:,} elements, {op}" for (size, op), n in large.most_common()]
+    lines.append("one layer of the target, in order:")
+    lines += [
+        f"  {k.op:12s} {k.name:32s} {k.elements:>10,}  {k.jax_op}"
+        for k in one_layer(kernels, layers)
+    ]
     return "\n".join(lines)
 
 

@@ -147,4 +147,5 @@ def test_the_train_step_runs_the_mosaic_kernel_on_hopper():
     argv += ["model.dtype=bfloat16", "model.head_dim=64", "model.remat=dots"]
     text = train_step_text(argv, "data=1", "1x1")
     assert 'custom_call_target="mosaic_gpu' in text
-    assert "jspec_attention_" not in text  # no Triton attention kernel
+    assert not re.search(r"jspec_attention_(fwd|dkdv|dq)\b", text)  # no Triton attention kernel
+    assert "jspec_attention_mosaic_fwd" in text and "jspec_attention_mosaic_bwd" in text

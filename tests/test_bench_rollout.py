@@ -144,6 +144,11 @@ def test_the_census_lists_one_layer_of_the_target_in_order():
     assert kernel_census.one_layer(step, 3) == layer
     assert kernel_census.one_layer(step[1:6], 1) == [step[1], *layer[:2], layer[3]]  # the forward
     assert "one layer of the target, in order:\n  fusion       qkv " in kernel_census.table(step, 3)
+    unnamed = kernel_census.Kernel("custom-call", "topk", 8, "")
+    assert kernel_census.parts([unnamed, step[0], unnamed, *layer]) == [
+        *("other", "draft_tree", "draft_tree"),
+        *("target_forward",) * 4,  # the split-K product's too
+    ]
 
 
 def test_the_greedy_check_passes_the_rollout_path_and_fails_a_changed_token(monkeypatch, capsys):

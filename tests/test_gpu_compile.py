@@ -81,7 +81,7 @@ def test_the_census_counts_each_part_of_a_speculative_step(capsys, tmp_path):
     argv = ["--config", "demo", "--prompt", "48", "--new", "16", "--draft"]  # a sampled chain
     kernel_census.main([*argv, "--out", str(tmp_path / "c.json")])
     kernels = [kernel_census.Kernel(**k) for k in json.loads((tmp_path / "c.json").read_text())]
-    parts = collections.Counter(kernel_census.part(k) for k in kernels)
+    parts = collections.Counter(kernel_census.parts(kernels))
     assert all(parts[p] for p in kernel_census.PARTS), parts
     assert parts["other"] < 0.25 * len(kernels), parts
     assert "by part: draft_tree " in capsys.readouterr().out

@@ -101,8 +101,17 @@ PARTS = ("draft_tree", "target_forward", "verify", "cache_advance", "draft_exten
 
 def part(kernel: Kernel) -> str:
     """The part of the step a kernel belongs to ('other': the step's own bookkeeping, and kernels
-    XLA left without an op_name, such as some custom calls)."""
+    XLA left without an op_name, such as some custom calls: `parts` places those)."""
     return next((p for p in PARTS if kernel.jax_op.startswith(p + "/")), "other")
+
+
+def parts(kernels: list[Kernel]) -> list[str]:
+    """The part of the step of each kernel (`part`); one that XLA left without an op name (a
+    split-K product, a TopK) takes the part of the kernel before it."""
+    named = []
+    for k in kernels:
+        named.append(part(k) if k.jax_op or not named else named[-1])
+    return named
 
 
 def one_layer(kernels: list[Kernel], layers: int) -> list[Kernel]:
@@ -125,8 +134,8 @@ def table(kernels: list[Kernel], layers: int) -> str:
     kinds = collections.Counter((k.op, k.name) for k in kernels)
     lines = [f"{len(kernels)} kernels a step, {len(kernels) / layers:.1f} a layer:"]
     lines += [f"  {n:5d}  {op:12s} {name}" for (op, name), n in kinds.most_common()]
-    parts = collections.Counter(part(k) for k in kernels)
-    lines.append("by part: " + ", ".join(f"{p} {parts[p]}" for p in (*PARTS, "other") if parts[p]))
+    count = collections.Counter(parts(kernels))
+    lines.append("by part: " + ", ".join(f"{p} {count[p]}" for p in (*PARTS, "other") if count[p]))
     large = collections.Counter((k.elements, k.jax_op) for k in kernels if k.elements >= LARGE)
     lines.append(f"writes of {LARGE:,} elements or more: {'none' if not large else ''}")
     lines += [f"  {n:5d}  {size:,} elements, {op}" for (size, op), n in large.most_common()]

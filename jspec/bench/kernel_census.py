@@ -129,8 +129,8 @@ def one_layer(kernels: list[Kernel], layers: int) -> list[Kernel]:
 
 
 def table(kernels: list[Kernel], layers: int) -> str:
-    """Kernels by what they compute (per step and per layer), by part of the step, then the large
-    writes."""
+    """Kernels by what they compute (per step and per layer), by part of the step, the large
+    writes, then one layer's kernels in order."""
     kinds = collections.Counter((k.op, k.name) for k in kernels)
     lines = [f"{len(kernels)} kernels a step, {len(kernels) / layers:.1f} a layer:"]
     lines += [f"  {n:5d}  {op:12s} {name}" for (op, name), n in kinds.most_common()]

@@ -11,8 +11,10 @@
    output, as the ring does).
 2. Timing at B=1, T=32768, 32/8 heads, D=128, bf16: causal fwd and fwd+bwd of the kernel (a tile
    sweep first, unless --no-sweep), of cuDNN (`jax.nn.dot_product_attention`), and with packed
-   documents the kernel against the XLA block path (`jspec.attention.attention(impl="xla")`);
-   the Mosaic GPU kernel's rows beside them where it runs.
+   documents the kernel against cuDNN's packed layout (each document causal on its own, given by
+   its offset and length; its output checked against the kernel's) and the XLA block path
+   (`jspec.attention.attention(impl="xla")`); the Mosaic GPU kernel's rows beside them where it
+   runs.
    FLOPs count only the visible pairs; fwd+bwd counts
    the backward as 2.5 forwards. Prints a table and writes JSON (after every section, so a run
    cut short still leaves its results).
@@ -34,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from jspec.attention import attention, blocks, mosaic_gpu, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
@@ -353,6 +356,23 @@ def sweep_tiles(run, x):
     return tiles
 
 
+def cudnn_packed(seg, scale):
+    """cuDNN's attention over the documents of one packed row (numbered 1, 2, ... in order, as
+    `packed` makes them), each causal on its own: its packed layout, where each document is
+    given by its offset and length (cuDNN 9.6 or later)."""
+    lengths = np.bincount(np.asarray(seg[0]))[1:]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1], [-1]])[None].astype(np.int32)
+    seqlen = jnp.asarray(lengths[None], jnp.int32)
+
+    def attn(q, k, v):
+        return cudnn_attention.dot_product_attention(
+            q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=jnp.asarray(starts),
+            kv_offsets=jnp.asarray(starts), scale=scale, mask_type=cudnn_attention.MaskType.CAUSAL,
+        )  # fmt: skip
+
+    return attn
+
+
 def compare(run, x, tiles):
     """The rows of the table: cuDNN and the kernel on the causal row, the kernel on packed
     documents (the library's calls with `tiles`), the Mosaic GPU kernel on both where it runs
@@ -367,6 +387,13 @@ def compare(run, x, tiles):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     rows = [timed(run, "cudnn causal", cudnn, fwd_bwd(cudnn, x.ct), x.causal_flops, xs)]
+    docs = cudnn_packed(x.docs[0], x.scale)
+    rows.append(timed(run, "cudnn packed docs", docs, fwd_bwd(docs, x.ct), x.doc_flops, xs))
+    try:  # its masks, checked against the kernel's output
+        mismatch = {"err": err(jax.jit(docs)(*xs), jax.jit(lib("pallas", *x.docs))(*xs))}
+    except Exception as e:  # noqa: BLE001
+        mismatch = {"error": failed(e)}
+    run.add("timing", {"name": "cudnn packed docs vs the kernel", **mismatch})
     for name, (seg, pos), n_flops in (
         ("pallas causal", x.causal, x.causal_flops),
         ("pallas packed docs", x.docs, x.doc_flops),
@@ -427,6 +454,10 @@ def summarize(rows):
             "fwd_bwd_ms", "cudnn causal", "mosaic causal"
         )
         summary["mosaic_causal_fwd_vs_cudnn"] = ratio("fwd_ms", "cudnn causal", "mosaic causal")
+    with contextlib.suppress(KeyError):
+        summary["mosaic_packed_fwd_bwd_vs_cudnn"] = ratio(
+            "fwd_bwd_ms", "cudnn packed docs", "mosaic packed docs"
+        )
     with contextlib.suppress(KeyError):
         summary["packed_fwd_bwd_speedup_vs_xla"] = ratio(
             "fwd_bwd_ms", "attention(impl=xla) packed", "pallas packed docs"

@@ -34,3 +34,11 @@ def test_every_variant_runs_and_compiles_one_program(tmp_path):
         stages = 2 if r["variant"] in ("speculative + buckets", "plain + buckets") else 1
         assert len(r["iterations_by_stage"]) == stages
         assert abs(sum(r["iterations_by_stage"]) - r["iterations"]) < 1e-9
+    # Tokens a row emits a step: at most 1 decoding plainly, each stage's within the tree's
+    # bound; the share of verify steps whose accepted path reached each depth cannot grow with it.
+    for r in report["rows"]:
+        bound = 1 if r["variant"].startswith("plain") else 1 + len(r["reached_depth"])
+        assert all(0 < x <= bound for x in [r["tokens_per_row_step"]])
+        assert all(0 <= x <= bound for x in r["tokens_per_row_step_by_stage"])
+        depth = r["reached_depth"]
+        assert all(0 <= b <= a <= 1 for a, b in zip(depth, depth[1:], strict=False))

@@ -8,8 +8,10 @@ The batch is an RL step's (`rl.prompts` problems of `rl.task`, `rl.group_size` r
 at `rollout.temperature`); with `rl.task.spread` most responses are short and a few long, as in
 RL. Each variant generates the batches of `--steps` RL steps (one more first, which compiles),
 and the table gives their mean rollout seconds, tokens/s, verify steps (and how many of them each
-stage ran: the whole batch, then each bucket), the share of decoded row steps that emitted (busy)
-and the accepted length, and the ratio to the speculative rollout with no compaction.
+stage ran: the whole batch, then each bucket), the share of decoded row steps that emitted (busy),
+the accepted length, the tokens a row emits a step, idle steps counted (and in each stage: what a
+bucket's deeper tree buys), and the ratio to the speculative rollout with no compaction; the JSON
+adds the share of verify steps whose accepted path reached each depth.
 `--same-length` adds the variants with the end token ignored, so that every row runs to
 rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K` adds
 partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most
@@ -124,6 +126,11 @@ def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows:
         "iterations_by_stage": _iterations_by_stage(total, config, rl.batch, len(seconds), rows),
         "busy": total.busy(),
         "accepted_length": total.mean_accepted_length(),
+        "tokens_per_row_step": total.tokens_per_row_step(),
+        "tokens_per_row_step_by_stage": [
+            total.tokens_per_row_step(i) for i in range(len(total.row_steps))
+        ],
+        "reached_depth": total.acceptance_per_depth().tolist(),
     }
 
 
@@ -164,11 +171,10 @@ def _iterations_by_stage(total, config, batch: int, steps: int, partial_rows: in
     return [int(n) / r / steps for n, r in zip(total.row_steps, rows, strict=True)]
 
 
-def by_stage(row: dict) -> str:
-    """A variant's verify steps, and those of each stage where it ran several: '74 (30 + 44)'."""
-    steps = row["iterations_by_stage"]
-    parts = f" ({' + '.join(f'{n:.0f}' for n in steps)})" if len(steps) > 1 else ""
-    return f"{row['iterations']:.0f}{parts}"
+def by_stage(total: float, stages: list, digits: int = 0) -> str:
+    """A variant's figure, and each stage's where it ran several: '74 (30 + 44)'."""
+    parts = f" ({' + '.join(f'{n:.{digits}f}' for n in stages)})" if len(stages) > 1 else ""
+    return f"{total:.{digits}f}{parts}"
 
 
 def main(argv=None):
@@ -189,13 +195,16 @@ def main(argv=None):
         rows.append({"variant": name, **timed[name], "speedup_over_speculative": speedup})
     print(
         "| rollout | seconds | tokens/s | mean length | verify steps | busy | accepted | "
-        "speedup over speculative |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+        "tokens a row step | speedup over speculative |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     for r in rows:
+        steps = by_stage(r["iterations"], r["iterations_by_stage"])
+        per_row = by_stage(r["tokens_per_row_step"], r["tokens_per_row_step_by_stage"], 2)
         print(
             f"| {r['variant']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
-            f"{r['mean_length']:.0f} | {by_stage(r)} | {r['busy']:.2f} | "
-            f"{r['accepted_length']:.2f} | {r['speedup_over_speculative']:.2f}x |"
+            f"{r['mean_length']:.0f} | {steps} | {r['busy']:.2f} | {r['accepted_length']:.2f} | "
+            f"{per_row} | {r['speedup_over_speculative']:.2f}x |"
         )
     programs = compiled_programs()
     print(f"rollout programs compiled: {programs} (variants: {len(rows)})")

@@ -36,7 +36,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from jspec.attention import attention, blocks, mosaic_gpu, pallas_gpu, reference_attention
 from jspec.attention.pallas_gpu import Tile
@@ -359,12 +358,15 @@ def sweep_tiles(run, x):
 def cudnn_packed(seg, scale):
     """cuDNN's attention over the documents of one packed row (numbered 1, 2, ... in order, as
     `packed` makes them), each causal on its own: its packed layout, where each document is
-    given by its offset and length (cuDNN 9.6 or later)."""
+    given by its offset and length (cuDNN 9.6 or later; JAX exposes it only in a private module,
+    imported where it runs, so that a JAX without it fails this row alone)."""
     lengths = np.bincount(np.asarray(seg[0]))[1:]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1], [-1]])[None].astype(np.int32)
     seqlen = jnp.asarray(lengths[None], jnp.int32)
 
     def attn(q, k, v):
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
         return cudnn_attention.dot_product_attention(
             q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=jnp.asarray(starts),
             kv_offsets=jnp.asarray(starts), scale=scale, mask_type=cudnn_attention.MaskType.CAUSAL,

@@ -2,6 +2,7 @@
 speculative, with and without buckets, and partial rollouts that carry rows into the next
 step), one rollout program each, and the table's JSON says so."""
 
+import itertools
 import json
 
 from helpers import LOOP
@@ -38,7 +39,6 @@ def test_every_variant_runs_and_compiles_one_program(tmp_path):
     # bound; the share of verify steps whose accepted path reached each depth cannot grow with it.
     for r in report["rows"]:
         bound = 1 if r["variant"].startswith("plain") else 1 + len(r["reached_depth"])
-        assert all(0 < x <= bound for x in [r["tokens_per_row_step"]])
+        assert 0 < r["tokens_per_row_step"] <= bound
         assert all(0 <= x <= bound for x in r["tokens_per_row_step_by_stage"])
-        depth = r["reached_depth"]
-        assert all(0 <= b <= a <= 1 for a, b in zip(depth, depth[1:], strict=False))
+        assert all(0 <= b <= a <= 1 for a, b in itertools.pairwise(r["reached_depth"]))

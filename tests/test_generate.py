@@ -31,7 +31,7 @@ from jspec.models import Transformer, create
 from jspec.models.block import BlockConfig, create_block
 from jspec.models.draft import Eagle3Config, Eagle3Draft, ExternalDraft, create_eagle3
 from jspec.models.mtp import MTPConfig, create_mtp
-from jspec.sampler import generate, sampling_probs
+from jspec.sampler import Continued, generate, sampling_probs
 
 CONFIG = ModelConfig(
     vocab_size=64,
@@ -251,7 +251,7 @@ def test_a_rollout_stopped_early_and_continued_equals_the_whole(setup, kind):
         for i in unfinished
     ]
     width = max(len(x) for x in so_far)
-    continued = generation.Continued(
+    continued = Continued(
         jnp.asarray(np.stack([np.pad(x, (0, width - len(x))) for x in so_far])),
         jnp.asarray([len(x) for x in so_far]),
         NEW - first.lengths[unfinished],
@@ -603,9 +603,7 @@ def test_bad_continued_rows_are_named(target, name):
     changes, kwargs, message = CONTINUED_BAD[name]
     prompts, lengths = random_prompts(2, 2, seed=0)
     fields = dict(tokens=jnp.ones((1, 5), jnp.int32), lengths=[3], budgets=[2]) | changes
-    continued = generation.Continued(
-        *(jnp.asarray(fields[f]) for f in generation.Continued._fields)
-    )
+    continued = Continued(*(jnp.asarray(fields[f]) for f in Continued._fields))
     with pytest.raises(ValueError, match=message):
         config = RolloutConfig(max_new_tokens=4)
         generate(

@@ -64,7 +64,8 @@ from jspec.rl import grpo, packing, partial, tasks
 from jspec.rl.rollouts import Sampler
 from jspec.rl.state import init_state, trained_groups
 from jspec.sampler import Rollout
-from jspec.sampler.generation import compiled_programs, decode_rows, row_shards, stages
+from jspec.sampler.arguments import decode_rows, row_shards
+from jspec.sampler.generation import compiled_programs, stages
 
 EXPORT = "export"  # RUN_DIR/export/: the policy and draft in the layouts serving engines load
 # The warm start's steps are many and short: saved by the clock (and at a limit), not by count.

@@ -7,7 +7,8 @@ tests.
 """
 
 from jspec.sampler.acceptance import Verdict, emitted_tokens, verify
-from jspec.sampler.generation import Continued, compile_generate, generate, rollout
+from jspec.sampler.arguments import Continued
+from jspec.sampler.generation import compile_generate, generate, rollout
 from jspec.sampler.results import Rollout, RolloutStats
 from jspec.sampler.sampling import (
     sample,

@@ -36,28 +36,22 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jspec import mesh as mesh_lib
 from jspec.attention.decode import cache_slots
-from jspec.attention.zigzag import concrete
-from jspec.config import ConfigError, RolloutConfig
-from jspec.models.block import BlockDraft
+from jspec.config import RolloutConfig
 from jspec.models.cache import KVCache
-from jspec.models.draft import Draft, DraftOut, Shared, check_target
+from jspec.models.draft import Draft, DraftOut, Shared
 from jspec.models.transformer import Transformer
 from jspec.sampler.acceptance import emitted_tokens
+from jspec.sampler.arguments import (
+    Continued,
+    check_generate_args,
+    decode_rows,
+    refill_rows,
+    row_shards,
+)
 from jspec.sampler.results import Rollout, RolloutStats
 from jspec.sampler.sampling import sample_from_probs, sampling_probs
 from jspec.sampler.tree import branch_layout
 from jspec.sampler.tree_proposal import draft_tree, tree_depth
-
-
-class Continued(NamedTuple):
-    """Completions a rollout goes on with (partial rollouts): each one's prompt followed by the
-    tokens it has so far, right-padded, [K, W]; their lengths [K]; and the new tokens each may
-    still take [K], at most `max_new_tokens`. Their caches are filled again by the weights the
-    rollout runs with, in rows of their own, so fresh prompts keep their narrower width."""
-
-    tokens: Int[Array, "k w"]
-    lengths: Int[Array, " k"]
-    budgets: Int[Array, " k"]
 
 
 class _Rows(NamedTuple):
@@ -140,121 +134,6 @@ def _generate(target_def, draft_def, target_state, draft_state, prompts, lengths
     target = nnx.merge(target_def, target_state)
     draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
     return rollout(target, draft, prompts, lengths, key, config, continued=continued, keep=keep)
-
-
-def check_generate_args(
-    target, draft, prompts, prompt_lengths, config: RolloutConfig, continued=None, keep: int = 0
-) -> None:
-    """Raises a clear error for arguments `generate` cannot run with."""
-    config.validate(target.config)
-    if draft is not None:
-        check_target(draft, target.config)
-    for where, tree in config.trees() if isinstance(draft, BlockDraft) else ():
-        draft.check_tree(tree, where)
-    if getattr(prompts, "ndim", None) != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
-        raise ValueError(
-            f"prompts must be an integer array [prompts, tokens], got "
-            f"{getattr(prompts, 'dtype', type(prompts))}{getattr(prompts, 'shape', '')}."
-        )
-    p, t = prompts.shape
-    if np.shape(prompt_lengths) != (p,):
-        raise ValueError(f"prompt_lengths {np.shape(prompt_lengths)} must be [prompts]=[{p}].")
-    total = t + config.max_new_tokens
-    if total > target.config.max_seq_len:
-        raise ConfigError(
-            f"prompts of {t} tokens plus rollout.max_new_tokens={config.max_new_tokens} need a "
-            f"cache of {total} slots, more than model.max_seq_len={target.config.max_seq_len}; "
-            "shorten the prompts or max_new_tokens."
-        )
-    shards = row_shards(target.mesh)
-    sizes = {name: getattr(config, name) for name in ("rows", "refill_rows")}
-    sizes.update({f"buckets[{i}].rows": b.rows for i, b in enumerate(config.buckets)})
-    for name, rows in sizes.items():
-        if rows % shards:
-            raise ConfigError(
-                f"rollout.{name}={rows} does not split over the {shards} shards of the rows "
-                f"(mesh axes data x context); use a multiple of {shards}."
-            )
-    if concrete(prompt_lengths):
-        n = np.asarray(prompt_lengths)
-        bad = np.flatnonzero((n < 1) | (n > t))
-        if bad.size:
-            raise ValueError(
-                f"prompt_lengths[{bad[0]}]={n[bad[0]]} is outside [1, {t}]: every prompt needs at "
-                f"least one token and at most the {t} columns of `prompts`."
-            )
-        if concrete(prompts):
-            _check_token_ids(np.asarray(prompts), n, target.config.vocab_size)
-    rows = decode_rows(config, p + (0 if continued is None else continued.lengths.shape[0]))
-    if rows % shards:
-        raise ConfigError(
-            f"{rows} rows decode at once ({p} prompts, rollout.rows={config.rows}): they do not "
-            f"split over the {shards} shards of the rows (mesh axes data x context); pass a "
-            f"multiple of {shards} prompts or set rollout.rows to one."
-        )
-    if not 0 <= keep < rows:
-        raise ValueError(f"keep={keep} must be in [0, {rows}): rows left running of the {rows}.")
-    if continued is not None:
-        _check_continued(continued, rows, t + config.max_new_tokens, config.max_new_tokens)
-
-
-def _check_token_ids(prompts: np.ndarray, lengths: np.ndarray, vocab: int) -> None:
-    """Every prompt token (the first `lengths` columns of its row) is an id of the vocabulary: an
-    embedding lookup would clamp one outside it without a word."""
-    outside = (np.arange(prompts.shape[1]) < lengths[:, None]) & (
-        (prompts < 0) | (prompts >= vocab)
-    )
-    if outside.any():
-        i, j = np.argwhere(outside)[0]
-        raise ValueError(
-            f"prompts[{i}, {j}]={prompts[i, j]} is not a token id of the model's vocabulary "
-            f"[0, {vocab}); encode prompts with the model's tokenizer."
-        )
-
-
-def _check_continued(continued: Continued, rows: int, slots: int, budget: int) -> None:
-    """Continued completions fit the rows and the caches of `slots` tokens (prompt width + max new
-    tokens), each with a budget in [1, max_new_tokens]."""
-    k, w = continued.tokens.shape
-    if continued.lengths.shape != (k,) or continued.budgets.shape != (k,):
-        raise ValueError(
-            f"continued: lengths {continued.lengths.shape} and budgets {continued.budgets.shape} "
-            f"must be [{k}], one per row of its tokens {continued.tokens.shape}."
-        )
-    if k > rows:
-        raise ValueError(f"{k} continued completions need as many rows; {rows} decode at once.")
-    if w >= slots:
-        raise ValueError(f"continued tokens of {w} columns leave no room in caches of {slots}.")
-    if concrete(continued.lengths) and concrete(continued.budgets):
-        n, left = np.asarray(continued.lengths), np.asarray(continued.budgets)
-        bad = np.flatnonzero((n < 1) | (n > w) | (left < 1) | (left > budget) | (n + left > slots))
-        if bad.size:
-            i = bad[0]
-            raise ValueError(
-                f"continued[{i}]: length {n[i]} and budget {left[i]} must be in [1, {w}] and "
-                f"[1, {budget}] (max_new_tokens), together at most the caches' {slots} slots."
-            )
-
-
-def decode_rows(config: RolloutConfig, prompts: int) -> int:
-    """Rows decoded at once: `config.rows`, at most one per prompt (0: every prompt)."""
-    return min(config.rows or prompts, prompts)
-
-
-def refill_rows(config: RolloutConfig, rows: int, prompts: int, mesh) -> int:
-    """Prompts prefilled together: `config.refill_rows`; else every row at once when no prompt
-    waits for a row, or a row in 8 rounded up to the row shards (a refill's rows split as the rows
-    do)."""
-    shards = row_shards(mesh)
-    chunk = config.refill_rows or (
-        rows if rows == prompts else -(-max(1, rows // 8) // shards) * shards
-    )
-    return min(chunk, rows)
-
-
-def row_shards(mesh) -> int:
-    """How many ways a rollout's rows are split: the mesh axes of `decode_batch`."""
-    return 1 if mesh is None else mesh_lib.axis_size(mesh, "decode_batch")
 
 
 def rollout(

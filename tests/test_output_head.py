@@ -99,3 +99,16 @@ def test_chunks_that_do_not_divide_the_vocabulary_are_refused():
     hidden, head, targets, _ = inputs()
     with pytest.raises(ValueError, match=r"chunks=5 must be >= 1 and divide the vocabulary of 96"):
         output_head.token_logprobs(hidden, head, targets, TEMPERATURE, 5)
+
+
+def test_the_whole_vocabulary_backward_scatters_nothing():
+    """With one chunk the targets' logits are taken by comparison with the vocabulary's ids: their
+    gradient is a select beside the softmax's, where a gather's is a scatter-add into a zeroed
+    [B,T,V] array."""
+    hidden, head, targets, weights = inputs()
+
+    def loss(hidden, head):
+        return jnp.sum(weights * output_head.token_logprobs(hidden, head, targets, TEMPERATURE))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, head)
+    assert "scatter" not in str(jaxpr), jaxpr

@@ -45,7 +45,10 @@ def token_logprobs(
         z_BTV = mesh_lib.constrain(
             logits(hidden_BTD, head_VD, temperature), mesh, ("batch", "seq", "act_vocab")
         )
-        picked = jnp.take_along_axis(z_BTV, targets_BT[..., None], -1)[..., 0]
+        # By comparison, not a gather: the gradient is then a select that fuses into the
+        # softmax's, where a gather's is a scatter-add into a zeroed [B,T,V] float32 array.
+        target = jnp.arange(z_BTV.shape[-1], dtype=targets_BT.dtype) == targets_BT[..., None]
+        picked = jnp.sum(jnp.where(target, z_BTV, 0.0), -1)
         return picked - jax.nn.logsumexp(z_BTV, -1)
     return _chunked(hidden_BTD, head_VD, targets_BT, temperature, chunks)
 

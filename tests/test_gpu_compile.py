@@ -109,33 +109,57 @@ def test_a_pipeline_runs_the_attention_kernels_inside_its_stages():
     assert "collective-permute" in text and "all-gather" not in text
 
 
-@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")
-def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
-    """The gradient of `attention(impl="mosaic")` compiles for an H200 (packed rows, GQA, a length
-    that is not whole tiles): one Mosaic GPU kernel forward, which continues the running (o, lse)
-    in place, and one backward, which accumulates dq in place (each kernel's outputs alias the
-    buffers it is given)."""
+def mosaic_calls(fn, *shapes) -> dict[str, str]:
+    """The Mosaic GPU kernels of `fn` compiled for an H200 on arguments of `shapes` ((shape,
+    dtype) pairs), by kernel name."""
     from jax.sharding import Mesh, SingleDeviceSharding
 
-    from jspec.attention import attention, target
+    from jspec.attention import target
 
     [device] = plan_devices.gpu_topology_devices("1x1", plan_devices.gpu_target("h200"))
+    args = [jax.ShapeDtypeStruct(*s, sharding=SingleDeviceSharding(device)) for s in shapes]
+    with target.compiling_for(Mesh(np.array([device]), ("x",))):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
+    named = {re.search(r"jspec_attention_mosaic_\w+", line).group(): line for line in calls}
+    assert len(named) == len(calls), calls
+    return named
 
-    def arg(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+
+# Packed rows, GQA, a length that is not whole tiles.
+B, T, HQ, HKV, D = 2, 1000, 8, 2, 128
+QKV_IDS = [((B, T, HQ, D), jnp.bfloat16), *[((B, T, HKV, D), jnp.bfloat16)] * 2]
+QKV_IDS += [((B, T), jnp.int32)] * 2
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")
+def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
+    """The gradient of `attention(impl="mosaic")` compiles for an H200: one Mosaic GPU kernel
+    forward, which has nothing to continue and writes outputs of its own (none aliases a buffer
+    it is given: no zeros written first), and one backward, which accumulates dq in place."""
+    from jspec.attention import attention
 
     def loss(q, k, v, seg, pos):
         return attention(q, k, v, seg, pos, impl="mosaic").astype(jnp.float32).sum()
 
-    b, t, hq, hkv, d = 2, 1000, 8, 2, 128
-    args = [arg((b, t, hq, d), jnp.bfloat16), *(arg((b, t, hkv, d), jnp.bfloat16),) * 2]
-    args += [arg((b, t), jnp.int32)] * 2
-    with target.compiling_for(Mesh(np.array([device]), ("x",))):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
-    assert len(calls) == 2, calls
-    assert all("output_to_operand_aliasing" in line for line in calls)
-    assert "jspec_attention_mosaic_fwd" in text and "jspec_attention_mosaic_bwd" in text
+    calls = mosaic_calls(jax.grad(loss, argnums=(0, 1, 2)), *QKV_IDS)
+    assert sorted(calls) == ["jspec_attention_mosaic_bwd", "jspec_attention_mosaic_fwd"]
+    assert "output_to_operand_aliasing" not in calls["jspec_attention_mosaic_fwd"]
+    assert "output_to_operand_aliasing" in calls["jspec_attention_mosaic_bwd"]
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")
+def test_the_mosaic_forward_continues_a_running_output_in_place():
+    """Given a running (o, lse), as a ring step is, the forward kernel continues it in place: its
+    outputs alias both buffers."""
+    from jspec.attention import mosaic_gpu
+
+    def step(q, k, v, seg, pos, o, lse):
+        return mosaic_gpu.fwd(q, k, v, seg, pos, seg, pos, (o, lse), scale=D**-0.5)
+
+    acc = [((B, T, HQ, D), jnp.float32), ((B, T, HQ), jnp.float32)]
+    [call] = mosaic_calls(step, *QKV_IDS, *acc).values()
+    assert "output_to_operand_aliasing={{0}" in call and "{1}" in call
 
 
 @pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="the Mosaic GPU kernel needs jax >= 0.11")

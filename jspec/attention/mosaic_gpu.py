@@ -10,7 +10,9 @@ that only copies, streaming tiles into a ring of `steps` shared-memory slots. Pe
 say "landed" (the copy's bytes arrived) and "consumed" (both compute groups are done with it).
 
 - forward: a program per (query head, 128-query tile, row) streams K/V tiles; online softmax in
-  base 2; the running (o, lse) is continued in place (`jax.new_ref`), as the ring needs.
+  base 2; the running (o, lse) is continued in place (`jax.new_ref`), as the ring needs, and
+  with none to continue (no ring, no tree) the kernel writes outputs of its own, where an empty
+  running output would be written in float32 by XLA and read back by every program first.
 - backward: a program per (KV head, 128-key tile, row) streams the q, dO, lse and delta tiles of
   its G query heads; dK and dV stay in registers. Per tile pair, both compute groups write their
   dS into one shared tile (a ring of two, behind a barrier between the two groups), then each
@@ -173,8 +175,9 @@ def _kernel(name, body, out_type, grid, names, scratch, args):
 
 
 def _fwd_body(plan_ref, q_ref, k_ref, v_ref, idq_ref, idk_ref, o_ref, lse_ref, scratch, *,
-              scale, bk, steps, groups, n_tiles):  # fmt: skip
-    """o_ref, lse_ref hold the running (o, lse) and are continued in place."""
+              scale, bk, steps, groups, n_tiles, fresh):  # fmt: skip
+    """o_ref, lse_ref hold the running (o, lse) and are continued in place; `fresh`: they hold
+    nothing yet, and are only written."""
     smem, landed, consumed, schedule = scratch
     row, head, wg = (lax.axis_index(a) for a in ("batch", "heads", "wg"))
     qt = n_tiles - 1 - lax.axis_index("q_seq")  # the heaviest (last) query tiles first
@@ -188,7 +191,12 @@ def _fwd_body(plan_ref, q_ref, k_ref, v_ref, idq_ref, idk_ref, o_ref, lse_ref, s
         plgpu.copy_gmem_to_smem(q_ref.at[row, rows, head], q_smem, q_landed)  # in flight first
         q_ids = [_load(idq_ref.at[row, i, rows], _ROW) for i in (0, 1)]
         out = (o_ref.at[row, rows, head], lse_ref.at[row, head, rows])
-        acc0 = (_load(out[0], _WG), _load(out[1], _ROW))
+        if fresh:
+            zeros = jnp.zeros((ROWS, q_ref.shape[-1]), jnp.float32)
+            none = jnp.full((ROWS,), -jnp.inf, jnp.float32)
+            acc0 = (plgpu.layout_cast(zeros, _WG), plgpu.layout_cast(none, _ROW))
+        else:
+            acc0 = (_load(out[0], _WG), _load(out[1], _ROW))
         run = functools.partial(_fwd_compute, smem, landed, consumed, schedule, wg, steps)
         run(out, q_ids, acc0, plan_ref[row, qt, 0], n, scale=scale)
 
@@ -290,11 +298,13 @@ def _fwd_compute(smem, landed, consumed, schedule, wg, steps, out, q_ids, acc0, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles"))
 def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
+    """(o, lse) continuing the running (o0, lse0), or from nothing where they are None: then the
+    kernel writes outputs of its own, neither zeroed nor read first."""
     b, tq0, hq, d = q.shape
     hkv = k.shape[2]
     bk, steps = tiles.fwd_k, tiles.fwd_steps
     tq, tk = blocks.round_up(tq0, 2 * ROWS), blocks.round_up(k.shape[1], bk)
-    q, q_seg, q_pos, o0, lse0 = (blocks.pad_rows(x, tq) for x in (q, q_seg, q_pos, o0, lse0))
+    q, q_seg, q_pos = (blocks.pad_rows(x, tq) for x in (q, q_seg, q_pos))
     k, v, k_seg, k_pos = (blocks.pad_rows(x, tk) for x in (k, v, k_seg, k_pos))
     plan = _plan(*blocks.tile_visibility(q_seg, q_pos, k_seg, k_pos, 2 * ROWS, bk))
     n_tiles = tq // (2 * ROWS)
@@ -310,14 +320,22 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
         (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
         plgpu.Barrier(num_arrivals=2),
     )
+    fresh = o0 is None
     body = functools.partial(
-        _fwd_body, scale=scale, bk=bk, steps=steps, groups=hq // hkv, n_tiles=n_tiles
+        _fwd_body, scale=scale, bk=bk, steps=steps, groups=hq // hkv, n_tiles=n_tiles, fresh=fresh
     )
-    # Continued in place; the statistics heads first (a tile's values contiguous).
-    o, lse = jax.new_ref(o0), jax.new_ref(jnp.swapaxes(lse0, 1, 2))
-    args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk), o, lse)
-    _kernel("fwd", body, (), (hq, n_tiles, b), ("heads", "q_seq", "batch"), scratch, args)
-    return o[...][:, :tq0], jnp.swapaxes(lse[...], 1, 2)[:, :tq0]
+    grid, names = (hq, n_tiles, b), ("heads", "q_seq", "batch")
+    args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk))
+    if fresh:  # the statistics heads first (a tile's values contiguous)
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        out = (f32(b, tq, hq, d), f32(b, hq, tq))
+        o, lse = _kernel("fwd", body, out, grid, names, scratch, args)
+    else:  # continued in place
+        o0, lse0 = (blocks.pad_rows(x, tq) for x in (o0, lse0))
+        o, lse = jax.new_ref(o0), jax.new_ref(jnp.swapaxes(lse0, 1, 2))
+        _kernel("fwd", body, (), grid, names, scratch, (*args, o, lse))
+        o, lse = o[...], lse[...]
+    return o[:, :tq0], jnp.swapaxes(lse, 1, 2)[:, :tq0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,8 +557,7 @@ def fwd(
     tiles = tiles or TILES
     _check(q, k, tiles)
     q, v = q.astype(k.dtype), v.astype(k.dtype)
-    acc = acc or blocks.empty_acc(q)
-    args = (q, k, v, q_seg, q_pos, k_seg, k_pos, *acc)
+    args = (q, k, v, q_seg, q_pos, k_seg, k_pos, *(acc or (None, None)))
     return _undivided(_fwd, *args, scale=float(scale), tiles=tiles)
 
 

@@ -189,10 +189,22 @@ def check_attention(rng, impl, d, dtype):
     return {"case": name, "limit": limit, "ok": ok, "padding_out_zero": pad_zero, **errs}
 
 
+def lse_errs(o, lse, o_ref, lse_ref, prefix=""):
+    """Errors of an output and its log-sum-exp, and whether their queries that saw nothing
+    (-inf) are the same."""
+    fin = jnp.isfinite(lse_ref)
+    return {
+        f"{prefix}out": err(o, o_ref),
+        f"{prefix}lse_abs": float(jnp.max(jnp.abs(jnp.where(fin, lse - lse_ref, 0)))),
+        f"{prefix}lse_inf_match": bool(jnp.all(jnp.isfinite(lse) == fin)),
+    }
+
+
 def check_blocks(rng, module, dtype, limit):
     """The row of block-level `module.fwd`/`bwd` against `blocks.fwd`/`bwd` (float32 inputs of
     the same values): cross attention against keys in shuffled chunks, continuing a running output
-    in which some queries have seen nothing yet, as a ring step hands the kernel."""
+    in which some queries have seen nothing yet, as a ring step hands the kernel; and the forward
+    with nothing to continue (fresh_)."""
     name = f"{module.__name__.split('.')[-1]} blocks fwd/bwd, keys out of order, running output"
     try:
         seg, pos = packed(rng, 1, 512, 120, 16)
@@ -213,17 +225,14 @@ def check_blocks(rng, module, dtype, limit):
             delta = jnp.sum(do * o_ref, -1)
             dq0 = normal(rng, q.shape, jnp.float32)
             g_ref = jax.jit(lambda *a: blocks.bwd(*a, **kw))(*f32, lse_ref, do, delta, dq0)
+            fresh_ref = jax.jit(lambda *a: blocks.fwd(*a, **kw))(*f32)
         o, lse = jax.jit(lambda *a: module.fwd(*a, **kw))(*a, (o0, lse0))
         g = jax.jit(lambda *a: module.bwd(*a, **kw))(*a, lse_ref, do, delta, dq0)
-        fin = jnp.isfinite(lse_ref)
-        errs = {
-            "out": err(o, o_ref),
-            "lse_abs": float(jnp.max(jnp.abs(jnp.where(fin, lse - lse_ref, 0)))),
-            "lse_inf_match": bool(jnp.all(jnp.isfinite(lse) == fin)),
-            **grad_errs(g, g_ref),
-        }
+        fresh = jax.jit(lambda *a: module.fwd(*a, **kw))(*a)  # nothing to continue
+        errs = {**lse_errs(o, lse, o_ref, lse_ref), **grad_errs(g, g_ref)}
+        errs.update(lse_errs(*fresh, *fresh_ref, "fresh_"))
         ok = max(v for v in errs.values() if not isinstance(v, bool)) < limit
-        ok = ok and errs["lse_inf_match"]
+        ok = ok and errs["lse_inf_match"] and errs["fresh_lse_inf_match"]
     except Exception as e:  # noqa: BLE001
         errs, ok = {"error": failed(e)}, False
     return {"case": f"{name}, {jnp.dtype(dtype).name}", "limit": limit, "ok": ok, **errs}
@@ -286,10 +295,16 @@ def fwd_bwd(attn, ct):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def kernel_fwd(module, tiles, seg, pos, scale):
+def kernel_fwd(module, tiles, seg, pos, scale, continued=False):
     """The forward kernel of `module` (pallas_gpu or mosaic_gpu) alone, its output and not the
-    log-sum-exp, with these tiles: self-attention under (seg, pos)."""
-    return lambda q, k, v: module.fwd(q, k, v, seg, pos, seg, pos, scale=scale, tiles=tiles)[0]
+    log-sum-exp, with these tiles: self-attention under (seg, pos); with `continued`, continuing
+    an empty running output, as a ring's first step does."""
+
+    def fwd(q, k, v):
+        acc = blocks.empty_acc(q) if continued else None
+        return module.fwd(q, k, v, seg, pos, seg, pos, acc, scale=scale, tiles=tiles)[0]
+
+    return fwd
 
 
 def timed(run, name, fwd_fn, fb_fn, n_flops, xs):
@@ -297,7 +312,7 @@ def timed(run, name, fwd_fn, fb_fn, n_flops, xs):
     backward counted as 2.5 forwards). A part is skipped with under 20 s of the budget left."""
     row = {"name": name}
     for key, fn in (("fwd", fwd_fn), ("fwd_bwd", fb_fn)):
-        if run.left() < 20:
+        if fn is None or run.left() < 20:
             continue
         try:
             ms, cs, _, _ = time_compiled(fn, xs, run.args.iters)
@@ -412,6 +427,8 @@ def compare(run, x, tiles):
             rows.append(
                 timed(run, name, fwd_fn, fwd_bwd(lib("mosaic", seg, pos, tl), x.ct), n_flops, xs)
             )
+        empty = kernel_fwd(mosaic_gpu, mosaic_gpu.TILES, *x.docs, x.scale, continued=True)
+        rows.append(timed(run, "mosaic packed, fwd from (0,-inf)", empty, None, x.doc_flops, xs))
     if not run.args.no_xla:
         xla = lib("xla", *x.docs)
         rows.append(
@@ -459,6 +476,9 @@ def summarize(rows):
     with contextlib.suppress(KeyError):
         summary["mosaic_packed_fwd_bwd_vs_cudnn"] = ratio(
             "fwd_bwd_ms", "cudnn packed docs", "mosaic packed docs"
+        )
+        summary["mosaic_packed_fwd_vs_cudnn"] = ratio(
+            "fwd_ms", "cudnn packed docs", "mosaic packed docs"
         )
     with contextlib.suppress(KeyError):
         summary["packed_fwd_bwd_speedup_vs_xla"] = ratio(

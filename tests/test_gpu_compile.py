@@ -136,7 +136,8 @@ QKV_IDS += [((B, T), jnp.int32)] * 2
 def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
     """The gradient of `attention(impl="mosaic")` compiles for an H200: one Mosaic GPU kernel
     forward, which has nothing to continue and writes outputs of its own (none aliases a buffer
-    it is given: no zeros written first), and one backward, which accumulates dq in place."""
+    it is given: no zeros written first; o in bfloat16, the one dtype kept of it), and one
+    backward, which accumulates dq in place."""
     from jspec.attention import attention
 
     def loss(q, k, v, seg, pos):
@@ -145,6 +146,7 @@ def test_the_mosaic_kernel_compiles_for_a_hopper_gpu():
     calls = mosaic_calls(jax.grad(loss, argnums=(0, 1, 2)), *QKV_IDS)
     assert sorted(calls) == ["jspec_attention_mosaic_bwd", "jspec_attention_mosaic_fwd"]
     assert "output_to_operand_aliasing" not in calls["jspec_attention_mosaic_fwd"]
+    assert re.search(r"= \(bf16\[2,1024,8,128\]", calls["jspec_attention_mosaic_fwd"])
     assert "output_to_operand_aliasing" in calls["jspec_attention_mosaic_bwd"]
 
 

@@ -11,8 +11,9 @@ say "landed" (the copy's bytes arrived) and "consumed" (both compute groups are 
 
 - forward: a program per (query head, 128-query tile, row) streams K/V tiles; online softmax in
   base 2; the running (o, lse) is continued in place (`jax.new_ref`), as the ring needs, and
-  with none to continue (no ring, no tree) the kernel writes outputs of its own, where an empty
-  running output would be written in float32 by XLA and read back by every program first.
+  with none to continue (no ring, no tree) the kernel writes outputs of its own, o in the dtype
+  asked for, where an empty running output would be written in float32 by XLA, read back by
+  every program first, and the result cast after.
 - backward: a program per (KV head, 128-key tile, row) streams the q, dO, lse and delta tiles of
   its G query heads; dK and dV stay in registers. Per tile pair, both compute groups write their
   dS into one shared tile (a ring of two, behind a barrier between the two groups), then each
@@ -289,17 +290,17 @@ def _fwd_compute(smem, landed, consumed, schedule, wg, steps, out, q_ids, acc0, 
     pl.when(wg == 0)(turn)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    o_gmem[...] = acc / lax.broadcast_in_dim(l_safe, (ROWS, d), [0])
+    o_gmem[...] = (acc / lax.broadcast_in_dim(l_safe, (ROWS, d), [0])).astype(o_gmem.dtype)
     lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem)
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles"))
-def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "out_dtype"))
+def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles, out_dtype):
     """(o, lse) continuing the running (o0, lse0), or from nothing where they are None: then the
-    kernel writes outputs of its own, neither zeroed nor read first."""
+    kernel writes outputs of its own (o in `out_dtype`), neither zeroed nor read first."""
     b, tq0, hq, d = q.shape
     hkv = k.shape[2]
     bk, steps = tiles.fwd_k, tiles.fwd_steps
@@ -328,7 +329,7 @@ def _fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, o0, lse0, *, scale, tiles):
     args = (plan, q, k, v, _ids(q_seg, q_pos), _ids(k_seg, k_pos, bk))
     if fresh:  # the statistics heads first (a tile's values contiguous)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-        out = (f32(b, tq, hq, d), f32(b, hq, tq))
+        out = (jax.ShapeDtypeStruct((b, tq, hq, d), out_dtype), f32(b, hq, tq))
         o, lse = _kernel("fwd", body, out, grid, names, scratch, args)
     else:  # continued in place
         o0, lse0 = (blocks.pad_rows(x, tq) for x in (o0, lse0))
@@ -550,15 +551,18 @@ def fwd(
     block_q: int | None = None,
     block_k: int | None = None,
     tiles: Tiles | None = None,
+    out_dtype=jnp.float32,
 ) -> tuple[Float[Array, "b tq hq d"], Float[Array, "b tq hq"]]:
     """`blocks.fwd` on a Hopper GPU: the running output (float32, normalised) and log-sum-exp
-    `acc` continued with k, v. block_q / block_k keep `blocks`' signature and are unused."""
+    `acc` continued with k, v. block_q / block_k keep `blocks`' signature and are unused. With no
+    `acc` the output is written in `out_dtype` (the ring's q dtype, where nothing continues it)."""
     del block_q, block_k
     tiles = tiles or TILES
     _check(q, k, tiles)
     q, v = q.astype(k.dtype), v.astype(k.dtype)
     args = (q, k, v, q_seg, q_pos, k_seg, k_pos, *(acc or (None, None)))
-    return _undivided(_fwd, *args, scale=float(scale), tiles=tiles)
+    static = dict(scale=float(scale), tiles=tiles, out_dtype=jnp.dtype(out_dtype))
+    return _undivided(_fwd, *args, **static)
 
 
 def bwd(

@@ -108,12 +108,16 @@ def _tied(q, *ids):
 
 
 def _forward(st: Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b_parent):
-    """(o, lse) in float32. One accumulator, filled first by the local branch-to-branch part,
-    then by every ring step in place: no partial result is ever held beside it."""
+    """(o, lse) in float32 (o in q's dtype from a Mosaic forward with nothing to continue). One
+    accumulator, filled first by the local branch-to-branch part, then by every ring step in
+    place: no partial result is ever held beside it."""
     q, q_seg, q_pos, k_seg, k_pos = _tied(q, q_seg, q_pos, k_seg, k_pos)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
     if bk is None and _ring_size(st.axis_name) == 1:  # nothing to continue: no accumulator
-        return _kernel(st)[0](q, k, v, q_seg, q_pos, k_seg, k_pos, None, **tiles)
+        fwd = _kernel(st)[0]
+        if st.kernel == "mosaic":  # o in q's dtype at once: the only one kept of it
+            fwd = functools.partial(fwd, out_dtype=q.dtype)
+        return fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, None, **tiles)
     o = jnp.zeros_like(q, jnp.float32)
     lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
     if bk is not None:

@@ -113,10 +113,9 @@ def _forward(st: Static, q, q_seg, q_pos, k, v, k_seg, k_pos, bk, bv, b_nodes, b
     place: no partial result is ever held beside it."""
     q, q_seg, q_pos, k_seg, k_pos = _tied(q, q_seg, q_pos, k_seg, k_pos)
     tiles = dict(scale=st.scale, block_q=st.block_q, block_k=st.block_k)
-    if bk is None and _ring_size(st.axis_name) == 1:  # nothing to continue: no accumulator
-        fwd = _kernel(st)[0]
-        if st.kernel == "mosaic":  # o in q's dtype at once: the only one kept of it
-            fwd = functools.partial(fwd, out_dtype=q.dtype)
+    if st.kernel == "mosaic" and bk is None and _ring_size(st.axis_name) == 1:
+        # Nothing to continue: the kernel writes o in q's dtype at once, the only one kept of it.
+        fwd = functools.partial(_kernel(st)[0], out_dtype=q.dtype)
         return fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, None, **tiles)
     o = jnp.zeros_like(q, jnp.float32)
     lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)

@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA block path")
     p.add_argument(
+        "--no-triton", action="store_true", help="time cuDNN and the Mosaic GPU kernel only"
+    )
+    p.add_argument(
         "--budget", type=cli.positive, default=330.0, help="seconds; later steps are skipped"
     )
     p.add_argument(
@@ -391,10 +394,10 @@ def cudnn_packed(seg, scale):
 
 
 def compare(run, x, tiles):
-    """The rows of the table: cuDNN and the kernel on the causal row, the kernel on packed
-    documents (the library's calls with `tiles`), the Mosaic GPU kernel on both where it runs
-    (and its other forward tiling on the causal row), and (unless --no-xla) the XLA block path on
-    the same documents."""
+    """The rows of the table: cuDNN and (unless --no-triton) the kernel on the causal row and on
+    packed documents (the library's calls with `tiles`), the Mosaic GPU kernel on both where it
+    runs (and its other forward tiling on the causal row), and (unless --no-xla) the XLA block
+    path on the same documents."""
     xs = (x.q, x.k, x.v)
 
     def lib(impl, seg, pos, tl=tiles):
@@ -411,10 +414,11 @@ def compare(run, x, tiles):
     except Exception as e:  # noqa: BLE001
         mismatch = {"error": failed(e)}
     run.add("timing", {"name": "cudnn packed docs vs the kernel", **mismatch})
-    for name, (seg, pos), n_flops in (
+    triton = (
         ("pallas causal", x.causal, x.causal_flops),
         ("pallas packed docs", x.docs, x.doc_flops),
-    ):
+    )
+    for name, (seg, pos), n_flops in () if run.args.no_triton else triton:
         fwd_fn = kernel_fwd(pallas_gpu, tiles, seg, pos, x.scale)
         rows.append(timed(run, name, fwd_fn, fwd_bwd(lib("pallas", seg, pos), x.ct), n_flops, xs))
     if mosaic_gpu.available():

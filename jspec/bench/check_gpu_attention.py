@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -241,16 +242,28 @@ def check_blocks(rng, module, dtype, limit):
     return {"case": f"{name}, {jnp.dtype(dtype).name}", "limit": limit, "ok": ok, **errs}
 
 
-def check_correctness(run, rng):
-    """Section 1: every correctness row, PASS or FAIL, before any timing."""
+def check_correctness(run):
+    """Section 1: every correctness row, PASS or FAIL, before any timing, in order. The checks
+    run in threads, each with inputs of its own seed, so that their programs compile at once:
+    one after another, compiling took most of this section (some 200 s on a fresh machine)."""
     cases = CASES + (MOSAIC_CASES if mosaic_gpu.available() else ())
-    checks = [functools.partial(check_attention, rng, *case) for case in cases]
-    checks.append(functools.partial(check_blocks, rng, pallas_gpu, jnp.float32, 1e-4))
+    checks = [(check_attention, case) for case in cases]
+    checks.append((check_blocks, (pallas_gpu, jnp.float32, 1e-4)))
     if mosaic_gpu.available():
-        checks.append(functools.partial(check_blocks, rng, mosaic_gpu, jnp.bfloat16, 2e-2))
-    for check in checks:
-        row = check()
+        checks.append((check_blocks, (mosaic_gpu, jnp.bfloat16, 2e-2)))
+    for row in run_checks(checks):
         run.add("correctness", row, "PASS " if row["ok"] else "FAIL ")
+
+
+def run_checks(checks):
+    """The rows of `check(rng, *args)` for each (check, args), in order; the i-th with the random
+    generator of seed i, all in threads at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(checks)) as pool:
+        futures = [
+            pool.submit(check, np.random.default_rng(i), *args)
+            for i, (check, args) in enumerate(checks)
+        ]
+        yield from (f.result() for f in futures)
 
 
 class Inputs(NamedTuple):
@@ -510,9 +523,8 @@ def main(argv=None):
     }
     run = Run(args, start, path, report)
     print(f"jax {jax.__version__}, {dev.device_kind}, pallas available: {report['available']}")
-    rng = np.random.default_rng(0)
-    check_correctness(run, rng)
-    x = timing_inputs(args, rng)
+    check_correctness(run)
+    x = timing_inputs(args, np.random.default_rng(0))
     tiles = pallas_gpu.TILES if args.no_sweep else sweep_tiles(run, x)
     rows = compare(run, x, tiles)
     print_table(run, x, rows)

@@ -69,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA block path")
     p.add_argument(
-        "--no-triton", action="store_true", help="time cuDNN and the Mosaic GPU kernel only"
+        "--no-triton",
+        action="store_true",
+        help="time cuDNN and the Mosaic GPU kernel only (no sweep)",
     )
     p.add_argument(
         "--budget", type=cli.positive, default=330.0, help="seconds; later steps are skipped"
@@ -525,7 +527,7 @@ def main(argv=None):
     print(f"jax {jax.__version__}, {dev.device_kind}, pallas available: {report['available']}")
     check_correctness(run)
     x = timing_inputs(args, np.random.default_rng(0))
-    tiles = pallas_gpu.TILES if args.no_sweep else sweep_tiles(run, x)
+    tiles = pallas_gpu.TILES if args.no_sweep or args.no_triton else sweep_tiles(run, x)
     rows = compare(run, x, tiles)
     print_table(run, x, rows)
     report["summary"] = summary = summarize(rows)

@@ -225,6 +225,22 @@ def test_compacted_rows_decode_as_the_whole_batch(setup, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_budgets_end_each_completion_at_its_own_length(setup, kind):
+    """Per-prompt budgets (no end token): each completion is the unbudgeted one cut at its
+    budget, through the buckets that compaction moves the rows into as the short ones end."""
+    s = setup
+    draft = None if kind == "plain" else s["drafts"][kind]
+    inputs = (s["target"], draft, s["prompts"], s["lengths"], jax.random.key(1))
+    config = greedy(tree=TREES["chain"], buckets=(Bucket(6), Bucket(2)))
+    budgets = jnp.array([1, 13, 2, 5, 13, 8, 3, 11])
+    whole, got = generate(*inputs, config), generate(*inputs, config, budgets=budgets)
+    np.testing.assert_array_equal(got.lengths, budgets)
+    cut = np.where(np.arange(NEW) < np.asarray(budgets)[:, None], whole.tokens, -1)
+    np.testing.assert_array_equal(got.tokens, cut)
+    assert (np.asarray(got.stats.row_steps) > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
 def test_a_rollout_stopped_early_and_continued_equals_the_whole(setup, kind):
     """With keep=5 the rollout returns once at most 5 rows run (those unfinished: the 5 that run
     to the end; the bucket of 6 rows still compacts, the one of 2 is never reached); a second
@@ -609,6 +625,16 @@ def test_bad_continued_rows_are_named(target, name):
         generate(
             target, None, prompts, lengths, jax.random.key(0), config, continued=continued, **kwargs
         )
+
+
+@pytest.mark.parametrize(
+    "budgets, message",
+    [([2, 0], r"budgets\[1\]=0 is outside \[1, 13\]"), ([2, 3, 4], r"budgets \(3,\) must be")],
+)
+def test_bad_budgets_are_named(target, budgets, message):
+    prompts, lengths = random_prompts(2, 5, seed=0)
+    with pytest.raises(ValueError, match=message):
+        generate(target, None, prompts, lengths, jax.random.key(0), greedy(), budgets=budgets)
 
 
 @pytest.mark.parametrize("bad", [0, 6])

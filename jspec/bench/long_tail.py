@@ -13,13 +13,16 @@ the accepted length, the tokens a row emits a step, idle steps counted (and in e
 bucket's deeper tree buys), and the ratio to the speculative rollout with no compaction; the JSON
 adds the share of verify steps whose accepted path reached each depth.
 `--same-length` adds the variants with the end token ignored, so that every row runs to
-rollout.max_new_tokens (the batch compaction cannot shorten). `--partial-rows K` adds
-partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most
-K rows run, and those go on in the next step's; its tokens/s counts the tokens each rollout
-generated. The programs compiled for the rollout are counted: one per variant, whatever the
-buckets (they are stages of one program). `--profile DIR` traces one more rollout of each
-variant (not the partial ones) and prints its GPU kernels: their time against the rollout's, the
-launches a verify step, the heaviest kernels. Prints a Markdown table and writes JSON.
+rollout.max_new_tokens (the batch compaction cannot shorten). `--answer-lengths` runs every response
+exactly as long as its problem's worked answer (the end token ignored): the task's own long tail,
+the same for any policy (a warm-started one answers at about these lengths), so that a model never
+trained on the task (the 1.4B code model) decodes an RL step's lengths. `--partial-rows K` adds
+partial rollouts (`rl.partial_rows`, `jspec.rl.partial`): each step's rollout returns once at most K
+rows run, and those go on in the next step's; its tokens/s counts the tokens each rollout generated.
+The programs compiled for the rollout are counted: one per variant, whatever the buckets (they are
+stages of one program). `--profile DIR` traces one more rollout of each variant (not the partial
+ones) and prints its GPU kernels: their time against the rollout's, the launches a verify step, the
+heaviest kernels. Prints a Markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -54,22 +57,31 @@ def parse_args(argv=None):
     p.add_argument(
         "--partial-rows", type=cli.at_least(0), default=0, help="also partial rollouts of K rows"
     )
+    p.add_argument(
+        "--answer-lengths", action="store_true", help="each response as long as its worked answer"
+    )
     p.add_argument("--profile", metavar="DIR", help="also trace each variant's GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_long_tail.json"))
     return p.parse_intermixed_args(argv)
 
 
-def variants(rollout: config_lib.RolloutConfig, same_length: bool, partial_rows: int) -> dict:
+def variants(rollout: config_lib.RolloutConfig, args: argparse.Namespace) -> dict:
     """(config, speculative, the variant it is compared with, partial rows) of each variant, by
     name: the speculative rollout with no buckets of the same lengths."""
+    same_length, partial_rows = args.same_length, args.partial_rows
     if not rollout.buckets:
         raise config_lib.ConfigError(
             "rollout.buckets is empty: name the buckets compaction moves the rows into, e.g. "
             "'rollout.buckets=[{rows: 32}, {rows: 8}]'."
         )
+    if args.answer_lengths and (same_length or partial_rows):
+        raise config_lib.ConfigError(
+            "--answer-lengths sets every response's length: drop --same-length and --partial-rows."
+        )
     whole = dataclasses.replace(rollout, buckets=())
+    first = None if args.answer_lengths else rollout.eos_id
     out = {}
-    for suffix, eos in [("", rollout.eos_id)] + [(", same length", None)] * same_length:
+    for suffix, eos in [("", first)] + [(", same length", None)] * same_length:
         for kind, speculative in (("speculative", True), ("plain", False)):
             for name, config in ((kind, whole), (f"{kind} + buckets", rollout)):
                 config = dataclasses.replace(config, eos_id=eos)
@@ -84,14 +96,19 @@ def variants(rollout: config_lib.RolloutConfig, same_length: bool, partial_rows:
     return out
 
 
-def batches(run: rl_run.Run, steps: int) -> list:
-    """The prompts and their lengths of RL steps 0..steps, placed as the sampler places them."""
+def batches(run: rl_run.Run, steps: int, answer_lengths: bool) -> list:
+    """The prompts, their lengths and (with `answer_lengths`: their worked answers' lengths, at
+    most rollout.max_new_tokens; else None) the responses' budgets of RL steps 0..steps, placed as
+    the sampler places them."""
     rl, out = run.rl, []
     for step in range(steps + 1):
         problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
         group = [p for p in problems for _ in range(rl.group_size)]
         encoded = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
-        out.append([hosts.global_array(run.decode_rows, x, rl.batch) for x in encoded])
+        longest = run.cfg.rollout.max_new_tokens
+        budgets = tasks.encode_answers(run.tokenizer, group, longest)[1] if answer_lengths else None
+        place = lambda x: None if x is None else hosts.global_array(run.decode_rows, x, rl.batch)
+        out.append([place(x) for x in (*encoded, budgets)])
     return out
 
 
@@ -103,7 +120,7 @@ def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows:
     rl, seconds, tokens, stats = run.rl, [], 0, []
     shape = (run.prompt_width, config.max_new_tokens, rl.group_size)
     pool = partial.Pool(rows, *shape) if rows else None
-    for step, (prompts, lengths) in enumerate(data):
+    for step, (prompts, lengths, budgets) in enumerate(data):
         key = jax.random.fold_in(jax.random.key(run.cfg.seed), step)
         start = time.perf_counter()
         if pool is not None:
@@ -111,7 +128,8 @@ def time_variant(run: rl_run.Run, models, data, config, speculative: bool, rows:
             host = jax.device_get((prompts, lengths))
             out, _, generated = pool.rollout(inputs, config, step, 0, [None] * rl.batch, *host)
         else:
-            out = jax.block_until_ready(generate(policy, draft, prompts, lengths, key, config))
+            inputs = (policy, draft, prompts, lengths, key, config)
+            out = jax.block_until_ready(generate(*inputs, budgets=budgets))
             generated = int(np.sum(jax.device_get(out.lengths)))
         if step:
             seconds.append(time.perf_counter() - start)
@@ -139,9 +157,9 @@ def profile_variant(models, data, config, speculative: bool, log_dir: str) -> di
     rollout's (the rest is launch gaps and the host), launches a verify step, and the ten
     heaviest kernels (ms, launches)."""
     policy, draft = models
-    prompts, lengths = data[1]
-    key = jax.random.key(0)
-    run = lambda: generate(policy, draft if speculative else None, prompts, lengths, key, config)
+    prompts, lengths, budgets = data[1]
+    inputs = (policy, draft if speculative else None, prompts, lengths, jax.random.key(0), config)
+    run = lambda: generate(*inputs, budgets=budgets)
     start = time.perf_counter()  # compiled already, by time_variant
     iterations = int(jax.block_until_ready(run()).stats.iterations)
     rollout_ms = 1e3 * (time.perf_counter() - start)
@@ -179,12 +197,14 @@ def by_stage(total: float, stages: list, digits: int = 0) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = config_lib.load(args.config, args.overrides)
-    run = rl_run.Run(rl_run.check(cfg, "frozen", jax.device_count()), "frozen")
+    checked = rl_run.check(
+        config_lib.load(args.config, args.overrides), "frozen", jax.device_count()
+    )
+    table = variants(checked[0].rollout, args)  # the rollout with the tokenizer's end token
+    run = rl_run.Run(checked, "frozen")
     models = run.networks.models(run.initial_params)
-    data = batches(run, args.steps)
+    data = batches(run, args.steps, args.answer_lengths)
     timed, rows = {}, []
-    table = variants(run.cfg.rollout, args.same_length, args.partial_rows)
     for name, (config, speculative, base, partial_rows) in table.items():
         timed[name] = time_variant(run, models, data, config, speculative, partial_rows)
         if args.profile and not partial_rows:

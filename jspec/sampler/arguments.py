@@ -31,7 +31,14 @@ class Continued(NamedTuple):
 
 
 def check_generate_args(
-    target, draft, prompts, prompt_lengths, config: RolloutConfig, continued=None, keep: int = 0
+    target,
+    draft,
+    prompts,
+    prompt_lengths,
+    config: RolloutConfig,
+    continued=None,
+    keep: int = 0,
+    budgets=None,
 ) -> None:
     """Raises a clear error for arguments `generate` cannot run with."""
     config.validate(target.config)
@@ -63,16 +70,10 @@ def check_generate_args(
                 f"rollout.{name}={rows} does not split over the {shards} shards of the rows "
                 f"(mesh axes data x context); use a multiple of {shards}."
             )
-    if concrete(prompt_lengths):
-        n = np.asarray(prompt_lengths)
-        bad = np.flatnonzero((n < 1) | (n > t))
-        if bad.size:
-            raise ValueError(
-                f"prompt_lengths[{bad[0]}]={n[bad[0]]} is outside [1, {t}]: every prompt needs at "
-                f"least one token and at most the {t} columns of `prompts`."
-            )
-        if concrete(prompts):
-            _check_token_ids(np.asarray(prompts), n, target.config.vocab_size)
+    why = f"every prompt needs at least one token and at most the {t} columns of `prompts`."
+    n = _check_each_in("prompt_lengths", prompt_lengths, 1, t, why)
+    if n is not None and concrete(prompts):
+        _check_token_ids(np.asarray(prompts), n, target.config.vocab_size)
     rows = decode_rows(config, p + (0 if continued is None else continued.lengths.shape[0]))
     if rows % shards:
         raise ConfigError(
@@ -84,6 +85,28 @@ def check_generate_args(
         raise ValueError(f"keep={keep} must be in [0, {rows}): rows left running of the {rows}.")
     if continued is not None:
         _check_continued(continued, rows, t + config.max_new_tokens, config.max_new_tokens)
+    if budgets is not None:
+        _check_budgets(budgets, p, config.max_new_tokens)
+
+
+def _check_budgets(budgets, prompts: int, most: int) -> None:
+    """One budget of new tokens a prompt, each in [1, max_new_tokens]."""
+    if np.shape(budgets) != (prompts,):
+        raise ValueError(f"budgets {np.shape(budgets)} must be [prompts]=[{prompts}].")
+    why = f"a completion takes at least one new token and at most rollout.max_new_tokens={most}."
+    _check_each_in("budgets", budgets, 1, most, why)
+
+
+def _check_each_in(name: str, values, low: int, high: int, why: str) -> np.ndarray | None:
+    """`values` on the host (None while traced), each in [low, high]: else an error naming the
+    first outside and `why`."""
+    if not concrete(values):
+        return None
+    n = np.asarray(values)
+    bad = np.flatnonzero((n < low) | (n > high))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}]={n[bad[0]]} is outside [{low}, {high}]: {why}")
+    return n
 
 
 def _check_token_ids(prompts: np.ndarray, lengths: np.ndarray, vocab: int) -> None:

@@ -88,6 +88,7 @@ def generate(
     *,
     continued: Continued | None = None,
     keep: int = 0,
+    budgets: Int[Array, " p"] | None = None,
 ) -> Rollout:
     """Completions of right-padded prompts (prompt p: its first `prompt_lengths[p]` tokens).
 
@@ -95,21 +96,31 @@ def generate(
     `config.rows` rows decode at once, each taking the next prompt when its completion ends.
     `continued` completions go on in the first rows (after the prompts in the outputs); with
     `keep` the rollout returns once no prompt waits and at most `keep` rows still run, those
-    unfinished (`Rollout.finished`): a caller continues them later. Every argument is checked
-    before compilation; the program is compiled once per shape, config and `keep`.
+    unfinished (`Rollout.finished`): a caller continues them later. `budgets` caps each prompt's
+    new tokens below `config.max_new_tokens` (a length a completion ends at without an end token).
+    Every argument is checked before compilation; the program is compiled once per shape, config
+    and `keep`.
     """
-    args = _generate_args(target, draft, prompts, prompt_lengths, key, config, continued, keep)
-    return _generate(*args, config=config, keep=keep)
+    args = (target, draft, prompts, prompt_lengths, key, config, continued, keep, budgets)
+    return _generate(*_generate_args(*args), config=config, keep=keep)
 
 
 def compile_generate(
-    target, draft, prompts, prompt_lengths, key, config: RolloutConfig, continued=None, keep=0
+    target,
+    draft,
+    prompts,
+    prompt_lengths,
+    key,
+    config: RolloutConfig,
+    continued=None,
+    keep=0,
+    budgets=None,
 ) -> None:
     """Compiles the program `generate` runs on these arguments' shapes, without running it; a
     later `generate` call reuses it. Compiling takes long on about one core, so several programs
     may compile at once in threads, without the memory that running them at once would take."""
-    args = _generate_args(target, draft, prompts, prompt_lengths, key, config, continued, keep)
-    _generate.lower(*args, config=config, keep=keep).compile()
+    args = (target, draft, prompts, prompt_lengths, key, config, continued, keep, budgets)
+    _generate.lower(*_generate_args(*args), config=config, keep=keep).compile()
 
 
 def compiled_programs() -> int:
@@ -119,21 +130,22 @@ def compiled_programs() -> int:
 
 
 def _generate_args(
-    target, draft, prompts, prompt_lengths, key, config: RolloutConfig, continued, keep: int
+    target, draft, prompts, prompt_lengths, key, config: RolloutConfig, continued, keep, budgets
 ) -> tuple:
-    check_generate_args(target, draft, prompts, prompt_lengths, config, continued, keep)
+    check_generate_args(target, draft, prompts, prompt_lengths, config, continued, keep, budgets)
     target_def, target_state = nnx.split(target)
     draft_def, draft_state = nnx.split(draft) if draft is not None else (None, None)
     state = (target_state, draft_state)
-    return target_def, draft_def, *state, prompts, prompt_lengths, key, continued
+    return target_def, draft_def, *state, prompts, prompt_lengths, key, continued, budgets
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "config", "keep"))
 def _generate(target_def, draft_def, target_state, draft_state, prompts, lengths, key, continued,
-              *, config, keep):  # fmt: skip
+              budgets, *, config, keep):  # fmt: skip
     target = nnx.merge(target_def, target_state)
     draft = None if draft_def is None else nnx.merge(draft_def, draft_state)
-    return rollout(target, draft, prompts, lengths, key, config, continued=continued, keep=keep)
+    args = (target, draft, prompts, lengths, key, config)
+    return rollout(*args, continued=continued, keep=keep, budgets=budgets)
 
 
 def rollout(
@@ -146,6 +158,7 @@ def rollout(
     *,
     continued: Continued | None = None,
     keep: int = 0,
+    budgets: Int[Array, " p"] | None = None,
 ) -> Rollout:
     """The traceable body of `generate` (call it inside your own `jit`)."""
     target = target.for_rollout()
@@ -157,10 +170,11 @@ def rollout(
     lengths = jnp.asarray(lengths, jnp.int32)
     failed = (lengths < 1) | (lengths > t)
     lengths = jnp.clip(lengths, 1, t)
+    budgets = jnp.clip(jnp.full((p,), m) if budgets is None else budgets, 1, m).astype(jnp.int32)
     shared = Shared.of(target)  # in the compute dtype (`for_rollout`)
     start = functools.partial(_start, target, draft, shared, config)
     chunk = refill_rows(config, b, p + k, target.mesh)
-    fill = functools.partial(_fill, start, config, prompts, lengths, chunk)
+    fill = functools.partial(_fill, start, config, prompts, lengths, budgets, chunk)
     shards = row_shards(target.mesh)
     stage_configs = stages(config, b, keep)
     depth = max(tree_depth(c.tree, draft) for _, c in stage_configs)
@@ -288,9 +302,9 @@ def _refill(fill, chunk: int, p: int, s: _Loop) -> _Loop:
     return jax.lax.fori_loop(0, ready.astype(jnp.int32), fill_free, s)
 
 
-def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, rows) -> _Loop:
+def _fill(start, config, prompts, lengths, budgets, chunk: int, s: _Loop, rows) -> _Loop:
     """Starts the next prompts (as many as wait, at most `chunk`) in `rows` ([chunk]; b: none,
-    after the rows given), in one prefill of `chunk` rows."""
+    after the rows given), in one prefill of `chunk` rows, each with its budget of new tokens."""
     p, b = prompts.shape[0], s.done.shape[0]
     start_key, key = jax.random.split(s.key)
     taken = (rows < b) & (jnp.arange(chunk) < p - s.queued)
@@ -298,7 +312,7 @@ def _fill(start, config: RolloutConfig, prompts, lengths, chunk: int, s: _Loop, 
     prompt = jnp.where(taken, s.queued + jnp.arange(chunk), s.tokens.shape[0])
     index = jnp.minimum(prompt, p - 1)
     new, logprob = start(prompts[index], lengths[index], start_key)
-    budget = jnp.full((chunk,), config.max_new_tokens)
+    budget = budgets[index]
     s = _place(s, config, row, prompt, new, logprob, budget)
     return s._replace(queued=s.queued + jnp.sum(taken), key=key)
 

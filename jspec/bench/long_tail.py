@@ -100,14 +100,13 @@ def batches(run: rl_run.Run, steps: int, answer_lengths: bool) -> list:
     """The prompts, their lengths and (with `answer_lengths`: their worked answers' lengths, at
     most rollout.max_new_tokens; else None) the responses' budgets of RL steps 0..steps, placed as
     the sampler places them."""
-    rl, out = run.rl, []
+    rl, longest, out = run.rl, run.cfg.rollout.max_new_tokens, []
+    place = lambda x: None if x is None else hosts.global_array(run.decode_rows, x, rl.batch)
     for step in range(steps + 1):
         problems = tasks.problems(rl.task, step, rl.prompts, run.cfg.seed)
         group = [p for p in problems for _ in range(rl.group_size)]
         encoded = tasks.encode_prompts(run.tokenizer, group, run.prompt_width)
-        longest = run.cfg.rollout.max_new_tokens
         budgets = tasks.encode_answers(run.tokenizer, group, longest)[1] if answer_lengths else None
-        place = lambda x: None if x is None else hosts.global_array(run.decode_rows, x, rl.batch)
         out.append([place(x) for x in (*encoded, budgets)])
     return out
 

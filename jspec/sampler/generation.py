@@ -302,7 +302,9 @@ def _refill(fill, chunk: int, p: int, s: _Loop) -> _Loop:
     return jax.lax.fori_loop(0, ready.astype(jnp.int32), fill_free, s)
 
 
-def _fill(start, config, prompts, lengths, budgets, chunk: int, s: _Loop, rows) -> _Loop:
+def _fill(
+    start, config: RolloutConfig, prompts, lengths, budgets, chunk: int, s: _Loop, rows
+) -> _Loop:
     """Starts the next prompts (as many as wait, at most `chunk`) in `rows` ([chunk]; b: none,
     after the rows given), in one prefill of `chunk` rows, each with its budget of new tokens."""
     p, b = prompts.shape[0], s.done.shape[0]

@@ -24,8 +24,9 @@ def execute(name: str) -> tuple[dict, int]:
     ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     pictures = sum("image/png" in o.get("data", {}) for o in outputs)
-    last = notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1]
-    return json.loads(last), pictures
+    # Its printed lines, not a warning jax may write to stderr after them.
+    printed = "".join(o["text"] for o in notebook.cells[-1].outputs if o.get("name") == "stdout")
+    return json.loads(printed.strip().splitlines()[-1]), pictures
 
 
 def test_notebooks_are_stored_without_outputs():

@@ -5,9 +5,10 @@ interpreter does not do are supplied here: `pl.run_state` (the kernel's accumula
 initial values: run from zero, the initial values added after), a wgmma whose left operand is in
 registers (acc += a @ b, b read from shared memory), and a barrier freed with phases its copy
 group never waited for (the kernel copies nothing after its last tiles, so it does not wait for
-their release). The backward does not run in the interpreter (it waits forever), and races are
-not checked: the interpreter reports the masked tiles' ids, read by `plgpu.load` before the
-release that orders them, as racing with the next copy into their slot."""
+their release). The backward does not run in the interpreter (its dQ's reduce-add copy is not
+interpreted; with one supplied, it waits forever on a barrier), and races are not checked: the
+interpreter reports the masked tiles' ids, read by `plgpu.load` before the release that orders
+them, as racing with the next copy into their slot."""
 
 import functools
 
